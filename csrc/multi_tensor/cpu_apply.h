@@ -1,0 +1,79 @@
+// The CPU multi-tensor traversal: at::parallel_for over (tensor, chunk) work items, with the
+// per-element loop left to the caller (a plain loop the compiler vectorises). Honours
+// torch.get_num_threads() through ATen's intra-op pool.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+#include "tensor_lists.h"
+
+namespace shardopt {
+namespace cpu {
+
+// Elements per work item: large enough to amortise scheduling, small enough to balance threads.
+constexpr int64_t kChunkSize = 16384;
+
+struct WorkItem {
+  int64_t tensor;
+  int64_t start;
+  int64_t end;
+};
+
+inline std::vector<WorkItem> work_items(const std::vector<at::Tensor>& tensors) {
+  std::vector<WorkItem> items;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const int64_t n = tensors[t].numel();
+    for (int64_t s = 0; s < n; s += kChunkSize) {
+      items.push_back({static_cast<int64_t>(t), s, std::min(s + kChunkSize, n)});
+    }
+  }
+  return items;
+}
+
+// Calls f(item_index, tensor, start, end) for every chunk of every tensor, in parallel.
+template <typename F>
+void apply(const std::vector<WorkItem>& items, F&& f) {
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) f(i, items[i].tensor, items[i].start, items[i].end);
+  });
+}
+
+template <typename F>
+void apply(const std::vector<at::Tensor>& tensors, F&& f) {
+  const auto items = work_items(tensors);
+  apply(items, [&](int64_t, int64_t t, int64_t s, int64_t e) { f(t, s, e); });
+}
+
+// Typed data pointers of one slot.
+template <typename T>
+std::vector<T*> pointers(const std::vector<at::Tensor>& list) {
+  std::vector<T*> out(list.size());
+  for (size_t i = 0; i < list.size(); ++i) out[i] = static_cast<T*>(list[i].data_ptr());
+  return out;
+}
+
+// The value of an optional device scalar (a CPU tensor here), or `fallback`.
+inline double scalar_or(const std::optional<at::Tensor>& t, double fallback) {
+  return t.has_value() ? t->item<double>() : fallback;
+}
+
+// True when a found_inf flag is present and set: the kernel must leave everything unchanged.
+inline bool skip_step(const std::optional<at::Tensor>& found_inf) {
+  return found_inf.has_value() && found_inf->item<double>() != 0.0;
+}
+
+// State slots hold acc_t (fp32, or fp64 for fp64 params).
+template <typename T>
+void check_state_dtype(const std::vector<at::Tensor>& list, const char* name, const char* slot) {
+  if (list.empty()) return;
+  TORCH_CHECK(list[0].scalar_type() == c10::CppTypeToScalarType<T>::value, name, ": ", slot,
+              " must be ", c10::CppTypeToScalarType<T>::value, ", got ", list[0].scalar_type());
+}
+
+}  // namespace cpu
+}  // namespace shardopt

@@ -1,0 +1,31 @@
+// Adagrad per-element update (SPEC.md "FusedAdagrad"); shared by adagrad_cpu.cpp and adagrad_cuda.cu.
+#pragma once
+
+#include "math_common.h"
+
+namespace shardopt {
+namespace adagrad {
+
+constexpr int kGrad = 0;
+constexpr int kParam = 1;
+constexpr int kSum = 2;
+constexpr int kOut = 3;
+constexpr int kDepth = 3;
+
+template <typename T>
+struct Hyper {
+  T lr, eps, weight_decay;
+  bool adagrad_w_mode;
+};
+
+template <typename T>
+SHARDOPT_HD void update(T& p, T g, T& h_sum, const Hyper<T>& h) {
+  if (!h.adagrad_w_mode) g += h.weight_decay * p;
+  h_sum += g * g;
+  T u = g / (sqrt(h_sum) + h.eps);
+  if (h.adagrad_w_mode) u += h.weight_decay * p;
+  p -= h.lr * u;
+}
+
+}  // namespace adagrad
+}  // namespace shardopt

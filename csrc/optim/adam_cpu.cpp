@@ -1,0 +1,56 @@
+// Adam on CPU tensors: the cpu traversal over adam_math.h.
+#include "../kernels.h"
+#include "../multi_tensor/cpu_apply.h"
+#include "../multi_tensor/dispatch.h"
+#include "adam_math.h"
+
+namespace shardopt {
+
+void adam_cpu(const TensorLists& lists, double lr, double beta1, double beta2, double eps,
+              int64_t step, bool adam_w_mode, bool bias_correction, double weight_decay,
+              const OptTensor& lr_t, const OptTensor& step_t, const OptTensor& grad_scale_t,
+              const OptTensor& found_inf_t) {
+  using namespace adam;
+  check_tensor_lists(lists, kDepth, c10::DeviceType::CPU, "adam");
+  if (lists[0].empty() || cpu::skip_step(found_inf_t)) return;
+  const double t = cpu::scalar_or(step_t, static_cast<double>(step));
+  dispatch_types(
+      lists[kGrad][0].scalar_type(), lists[kParam][0].scalar_type(), out_dtype(lists, kDepth),
+      "adam", [&](auto types) {
+        using Ty = decltype(types);
+        using acc_t = typename Ty::acc_t;
+        cpu::check_state_dtype<acc_t>(lists[kExpAvg], "adam", "exp_avg");
+        cpu::check_state_dtype<acc_t>(lists[kExpAvgSq], "adam", "exp_avg_sq");
+        const Hyper<acc_t> h{static_cast<acc_t>(cpu::scalar_or(lr_t, lr)),
+                             static_cast<acc_t>(beta1),
+                             static_cast<acc_t>(beta2),
+                             static_cast<acc_t>(eps),
+                             static_cast<acc_t>(weight_decay),
+                             static_cast<acc_t>(shardopt::bias_correction(beta1, t, bias_correction)),
+                             static_cast<acc_t>(shardopt::bias_correction(beta2, t, bias_correction)),
+                             adam_w_mode};
+        const acc_t gs = static_cast<acc_t>(cpu::scalar_or(grad_scale_t, 1.0));
+        auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
+        auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);
+        auto m = cpu::pointers<acc_t>(lists[kExpAvg]);
+        auto v = cpu::pointers<acc_t>(lists[kExpAvgSq]);
+        std::vector<typename Ty::out_t*> o;
+        if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kOut]);
+        cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+          auto* gk = g[k];
+          auto* pk = p[k];
+          acc_t* mk = m[k];
+          acc_t* vk = v[k];
+          typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
+#pragma omp simd
+          for (int64_t i = s; i < e; ++i) {
+            acc_t pi = static_cast<acc_t>(pk[i]);
+            update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gs, mk[i], vk[i], h);
+            pk[i] = static_cast<typename Ty::param_t>(pi);
+            if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+          }
+        });
+      });
+}
+
+}  // namespace shardopt

@@ -1,0 +1,64 @@
+// NovoGrad on CPU tensors: the cpu traversal over novograd_math.h. The per-tensor second moment
+// (already blended, in norm form) arrives as v_norm, one entry per tensor.
+#include <cmath>
+
+#include "../kernels.h"
+#include "../multi_tensor/cpu_apply.h"
+#include "../multi_tensor/dispatch.h"
+#include "novograd_math.h"
+
+namespace shardopt {
+
+void novograd_cpu(const TensorLists& lists, const at::Tensor& v_norm, double lr, double beta1,
+                  double beta2, double eps, int64_t step, bool bias_correction,
+                  double weight_decay, bool grad_averaging, int64_t moment_mode,
+                  const OptTensor& lr_t, const OptTensor& step_t, const OptTensor& grad_scale_t,
+                  const OptTensor& found_inf_t) {
+  using namespace novograd;
+  check_tensor_lists(lists, kDepth, c10::DeviceType::CPU, "novograd");
+  const int64_t n = static_cast<int64_t>(lists[0].size());
+  TORCH_CHECK(v_norm.numel() == n, "novograd: v_norm needs ", n, " entries, got ", v_norm.numel());
+  TORCH_CHECK(moment_mode == 0 || moment_mode == 1, "novograd: moment_mode must be 0 or 1");
+  if (n == 0 || cpu::skip_step(found_inf_t)) return;
+  const double t = cpu::scalar_or(step_t, static_cast<double>(step));
+  const at::Tensor vn = v_norm.to(at::kDouble).contiguous();
+  const double* vnp = vn.data_ptr<double>();
+  dispatch_types(
+      lists[kGrad][0].scalar_type(), lists[kParam][0].scalar_type(), out_dtype(lists, kDepth),
+      "novograd", [&](auto types) {
+        using Ty = decltype(types);
+        using acc_t = typename Ty::acc_t;
+        cpu::check_state_dtype<acc_t>(lists[kExpAvg], "novograd", "exp_avg");
+        const Hyper<acc_t> h{
+            static_cast<acc_t>(cpu::scalar_or(lr_t, lr)),
+            static_cast<acc_t>(beta1),
+            static_cast<acc_t>(grad_averaging ? 1.0 - beta1 : 1.0),
+            static_cast<acc_t>(eps),
+            static_cast<acc_t>(weight_decay),
+            static_cast<acc_t>(shardopt::bias_correction(beta1, t, bias_correction)),
+            static_cast<acc_t>(std::sqrt(shardopt::bias_correction(beta2, t, bias_correction))),
+            static_cast<int>(moment_mode)};
+        const acc_t gs = static_cast<acc_t>(cpu::scalar_or(grad_scale_t, 1.0));
+        auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
+        auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);
+        auto m = cpu::pointers<acc_t>(lists[kExpAvg]);
+        std::vector<typename Ty::out_t*> o;
+        if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kOut]);
+        cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+          const acc_t denom = static_cast<acc_t>(vnp[k]) / h.bc2_sqrt + h.eps;
+          auto* gk = g[k];
+          auto* pk = p[k];
+          acc_t* mk = m[k];
+          typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
+#pragma omp simd
+          for (int64_t i = s; i < e; ++i) {
+            acc_t pi = static_cast<acc_t>(pk[i]);
+            update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gs, mk[i], denom, h);
+            pk[i] = static_cast<typename Ty::param_t>(pi);
+            if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+          }
+        });
+      });
+}
+
+}  // namespace shardopt

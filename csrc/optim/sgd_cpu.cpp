@@ -1,0 +1,55 @@
+// SGD on CPU tensors: the cpu traversal over sgd_math.h.
+#include "../kernels.h"
+#include "../multi_tensor/cpu_apply.h"
+#include "../multi_tensor/dispatch.h"
+#include "sgd_math.h"
+
+namespace shardopt {
+
+void sgd_cpu(const TensorLists& lists, double lr, double momentum, double dampening,
+             double weight_decay, bool nesterov, bool first_run, bool wd_after_momentum,
+             double scale, const OptTensor& lr_t, const OptTensor& grad_scale_t,
+             const OptTensor& found_inf_t) {
+  using namespace sgd;
+  check_tensor_lists(lists, kDepth, c10::DeviceType::CPU, "sgd");
+  if (lists[0].empty() || cpu::skip_step(found_inf_t)) return;
+  dispatch_types(
+      lists[kGrad][0].scalar_type(), lists[kParam][0].scalar_type(), out_dtype(lists, kDepth),
+      "sgd", [&](auto types) {
+        using Ty = decltype(types);
+        using acc_t = typename Ty::acc_t;
+        if (momentum != 0.0) cpu::check_state_dtype<acc_t>(lists[kMomentum], "sgd", "momentum_buffer");
+        const Hyper<acc_t> h{static_cast<acc_t>(cpu::scalar_or(lr_t, lr)),
+                             static_cast<acc_t>(momentum),
+                             static_cast<acc_t>(dampening),
+                             static_cast<acc_t>(weight_decay),
+                             nesterov,
+                             first_run,
+                             wd_after_momentum};
+        const acc_t gs = static_cast<acc_t>(scale * cpu::scalar_or(grad_scale_t, 1.0));
+        auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
+        auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);
+        std::vector<acc_t*> b(lists[0].size(), nullptr);
+        if (momentum != 0.0) b = cpu::pointers<acc_t>(lists[kMomentum]);
+        std::vector<typename Ty::out_t*> o;
+        if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kOut]);
+        cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+          auto* gk = g[k];
+          auto* pk = p[k];
+          acc_t* bk = b[k];
+          typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
+          acc_t unused = 0;
+#pragma omp simd
+          for (int64_t i = s; i < e; ++i) {
+            acc_t pi = static_cast<acc_t>(pk[i]);
+            acc_t bi = bk ? bk[i] : unused;
+            update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gs, bi, h);
+            if (bk) bk[i] = bi;
+            pk[i] = static_cast<typename Ty::param_t>(pi);
+            if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+          }
+        });
+      });
+}
+
+}  // namespace shardopt

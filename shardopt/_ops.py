@@ -1,0 +1,164 @@
+"""The one dispatch point between Python and the compiled kernels (``shardopt._C``).
+
+Every optimizer calls the kernels through this module. It checks that the tensors of one call share
+a device, groups tensor lists by their dtype signature (one kernel launch per group) and picks the
+CPU or CUDA backend. There is no silent Python fallback: a device without compiled kernels is an
+error that says how to build them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from shardopt import _build
+
+Tensor = torch.Tensor
+TensorLists = Sequence[Sequence[Tensor]]
+
+_C: ModuleType | None = None
+
+
+def extension() -> ModuleType:
+    """The loaded ``shardopt._C`` (built just in time on first use if not installed)."""
+    global _C
+    if _C is None:
+        _C = _build.load_extension()
+    return _C
+
+
+def cuda_available() -> bool:
+    """True when the loaded extension was compiled with CUDA kernels."""
+    return bool(extension().has_cuda)
+
+
+def chunk_size(device: torch.device | str) -> int:
+    """Elements per (tensor, chunk) work item of the backend that serves ``device``."""
+    device = torch.device(device)
+    ext = extension()
+    return int(ext.cuda_chunk_size if device.type == "cuda" else ext.cpu_chunk_size)
+
+
+def _backend(device: torch.device) -> ModuleType:
+    ext = extension()
+    if device.type == "cpu":
+        return ext.cpu
+    if device.type == "cuda":
+        if not ext.has_cuda:
+            raise RuntimeError(
+                "shardopt was built without CUDA kernels, so it cannot update CUDA tensors. "
+                "Rebuild with a CUDA-enabled torch and nvcc on PATH (or CUDA_HOME set): "
+                "`pip install --no-build-isolation .` or remove the JIT cache "
+                "(~/.cache/shardopt) and import again; SHARDOPT_BUILD_CUDA=1 makes a missing "
+                "toolkit an error."
+            )
+        return ext.cuda
+    raise RuntimeError(f"shardopt has no kernels for {device.type} tensors (cpu and cuda only)")
+
+
+def common_device(tensors: Sequence[Tensor], what: str = "tensors") -> torch.device:
+    """The single device of ``tensors``; a clear error when they are spread over several."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise RuntimeError(
+            f"all {what} of one optimizer must be on one device, got {names}; use one optimizer "
+            "per device"
+        )
+    return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def _signature_groups(lists: TensorLists) -> list[list[int]]:
+    """Indices of tensor positions grouped by (dtype of each slot), in first-seen order."""
+    groups: dict[tuple[torch.dtype, ...], list[int]] = {}
+    for i in range(len(lists[0])):
+        groups.setdefault(tuple(lst[i].dtype for lst in lists), []).append(i)
+    return list(groups.values())
+
+
+def _call(
+    name: str,
+    lists: TensorLists,
+    *args,
+    per_tensor: Sequence[Tensor] = (),
+    **kwargs,
+) -> None:
+    """Runs kernel ``name`` once per dtype group of ``lists``.
+
+    ``per_tensor`` vectors (one entry per tensor position) are sliced to each group.
+    """
+    lists = [list(lst) for lst in lists if lst is not None]
+    if not lists or not lists[0]:
+        return
+    device = common_device([t for lst in lists for t in lst], "params and grads")
+    kernel = getattr(_backend(device), name)
+    if device.type == "cuda":
+        per_tensor = [v.float() for v in per_tensor]
+    groups = _signature_groups(lists)
+    if len(groups) == 1:
+        kernel(lists, *per_tensor, *args, **kwargs)
+        return
+    for idx in groups:
+        sub = [[lst[i] for i in idx] for lst in lists]
+        index = torch.tensor(idx, device=per_tensor[0].device) if per_tensor else None
+        vecs = [v.index_select(0, index) for v in per_tensor]
+        kernel(sub, *vecs, *args, **kwargs)
+
+
+def adam(lists: TensorLists, **kwargs) -> None:
+    """Adam/AdamW over [grad, param, exp_avg, exp_avg_sq(, out)]; see csrc/kernels.h."""
+    _call("adam", lists, **kwargs)
+
+
+def sgd(lists: TensorLists, **kwargs) -> None:
+    """SGD over [grad, param, momentum_buffer(, out)]; see csrc/kernels.h."""
+    _call("sgd", lists, **kwargs)
+
+
+def adagrad(lists: TensorLists, **kwargs) -> None:
+    """Adagrad over [grad, param, sum(, out)]; see csrc/kernels.h."""
+    _call("adagrad", lists, **kwargs)
+
+
+def lamb_stage1(lists: TensorLists, **kwargs) -> None:
+    """LAMB moments and update term over [grad, param, exp_avg, exp_avg_sq, update]."""
+    _call("lamb_stage1", lists, **kwargs)
+
+
+def lamb_stage2(lists: TensorLists, w_norm: Tensor, u_norm: Tensor, **kwargs) -> None:
+    """LAMB trust-ratio apply over [param, update(, out)] with per-tensor norms."""
+    _call("lamb_stage2", lists, per_tensor=(w_norm, u_norm), **kwargs)
+
+
+def novograd(lists: TensorLists, v_norm: Tensor, **kwargs) -> None:
+    """NovoGrad over [grad, param, exp_avg(, out)] with the per-tensor second moment."""
+    _call("novograd", lists, per_tensor=(v_norm,), **kwargs)
+
+
+def norm(tensors: Sequence[Tensor], max_norm: bool = False) -> tuple[Tensor, Tensor]:
+    """Deterministic (total, per_tensor): sums of squares, or max |x| when ``max_norm``.
+
+    fp32 results (fp64 when every input is fp64) on the tensors' device; empty input gives zeros.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        z = torch.zeros((), dtype=torch.float32)
+        return z, torch.zeros(0, dtype=torch.float32)
+    device = common_device(tensors)
+    return _backend(device).norm(tensors, max_norm)
+
+
+def scale(
+    src: Sequence[Tensor],
+    dst: Sequence[Tensor],
+    found_inf: Tensor,
+    scale: float = 1.0,
+    scale_t: Tensor | None = None,
+) -> None:
+    """dst = src * scale (``scale_t`` if given); sets ``found_inf`` to 1 on any inf/nan in src."""
+    if not src:
+        return
+    device = common_device(list(src) + list(dst) + [found_inf])
+    _backend(device).scale([list(src), list(dst)], scale, scale_t, found_inf)

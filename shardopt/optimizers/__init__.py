@@ -1,0 +1,17 @@
+"""Single-process fused optimizers, one module per algorithm (each also exports its update rule)."""
+
+from shardopt.optimizers.adagrad import FusedAdagrad
+from shardopt.optimizers.adam import FusedAdam
+from shardopt.optimizers.lamb import FusedLAMB
+from shardopt.optimizers.mixed_precision_lamb import FusedMixedPrecisionLamb
+from shardopt.optimizers.novograd import FusedNovoGrad
+from shardopt.optimizers.sgd import FusedSGD
+
+__all__ = [
+    "FusedAdagrad",
+    "FusedAdam",
+    "FusedLAMB",
+    "FusedMixedPrecisionLamb",
+    "FusedNovoGrad",
+    "FusedSGD",
+]

@@ -1,0 +1,78 @@
+"""Adagrad: the update rule and ``FusedAdagrad`` (drop-in for apex.optimizers.FusedAdagrad).
+
+The math is ``csrc/optim/adagrad_math.h``; ``adagrad_apply`` is shared by ``FusedAdagrad`` and
+``DistributedFusedAdagrad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from shardopt import _ops
+from shardopt.optimizers.fused_optimizer import FusedOptimizer
+
+
+def adagrad_apply(
+    group: dict,
+    grads: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    sums: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor] | None,
+    *,
+    lr: float,
+    **scalars: torch.Tensor | None,
+) -> None:
+    """One Adagrad update of the given tensors (one kernel launch per dtype signature)."""
+    _ops.adagrad(
+        [grads, params, sums] + ([outs] if outs is not None else []),
+        lr=lr,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        adagrad_w_mode=group["adagrad_w_mode"],
+        **scalars,
+    )
+
+
+class FusedAdagrad(FusedOptimizer):
+    """Adagrad fused over many tensors (CPU and CUDA).
+
+    A drop-in replacement for ``apex.optimizers.FusedAdagrad`` and for ``torch.optim.Adagrad`` with
+    ``lr_decay=0`` and ``initial_accumulator_value=0`` (state key ``sum``).
+
+    Args:
+        params: iterable of params or of param-group dicts.
+        lr: learning rate.
+        eps: added to the denominator after the square root.
+        weight_decay: weight decay coefficient.
+        set_grad_none: default of ``zero_grad``'s ``set_to_none``.
+        adagrad_w_mode: decoupled weight decay (applied to the update) instead of L2.
+
+    Raises:
+        TypeError: a param of an unsupported dtype.
+        RuntimeError: sparse grads.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = FusedAdagrad(model.parameters(), lr=1e-2)
+        >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """
+
+    state_names = ("sum",)
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        set_grad_none: bool = True,
+        adagrad_w_mode: bool = False,
+    ) -> None:
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode)
+        super().__init__(params, defaults, set_grad_none=set_grad_none)
+
+    def _update_group(self, group: dict, params: list, grads: list) -> None:
+        (sums,) = self._state_tensors(params)
+        adagrad_apply(group, grads, params, sums, None, lr=self._lr_scalar(group))

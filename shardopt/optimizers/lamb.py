@@ -1,0 +1,204 @@
+"""LAMB: the two-stage update rule and ``FusedLAMB`` (drop-in for apex.optimizers.FusedLAMB).
+
+The math is ``csrc/optim/lamb_math.h``. Stage 1 (moments and update term u) and stage 2 (trust
+ratio and apply) are separate calls so the per-tensor norms of the param and of u can be summed
+across shards in between: ``lamb_stage1_apply`` returns per-tensor partial sums of squares, which
+``DistributedFusedLAMB`` all-reduces and ``FusedLAMB`` uses as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from shardopt import _ops
+from shardopt.optimizers.fused_optimizer import FusedOptimizer, acc_dtype, reject_amsgrad
+
+STATE_NAMES = ("exp_avg", "exp_avg_sq")
+
+
+def clip_scale(
+    grad_norm: torch.Tensor, max_grad_norm: float, inv_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The grad multiplier of LAMB's built-in clipping (SPEC: no eps; 0 means no clipping).
+
+    ``grad_norm`` is the norm of the unscaled grads; the result stays on the device (no sync).
+    """
+    norm = grad_norm.float().reshape(1)
+    if max_grad_norm > 0:
+        factor = torch.where(norm > max_grad_norm, max_grad_norm / norm, torch.ones_like(norm))
+    else:
+        factor = torch.ones_like(norm)
+    return factor if inv_scale is None else factor * inv_scale.reshape(1)
+
+
+def lamb_stage1_apply(
+    group: dict,
+    grads: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    exp_avg: Sequence[torch.Tensor],
+    exp_avg_sq: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    *,
+    step: int,
+    grad_scale_t: torch.Tensor,
+    **scalars: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moments and update term; returns per-tensor sums of squares (of params, of updates).
+
+    ``params`` are read before the update (LAMB's ||w|| is taken before the step).
+    """
+    beta1, beta2 = group["betas"]
+    _, w_sq = _ops.norm(params)
+    _ops.lamb_stage1(
+        [grads, params, exp_avg, exp_avg_sq, updates],
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        step=step,
+        bias_correction=group["bias_correction"],
+        weight_decay=group["weight_decay"],
+        grad_averaging=group["grad_averaging"],
+        adam_w_mode=group["adam_w_mode"],
+        grad_scale_t=grad_scale_t,
+        step_t=scalars.get("step_t"),
+        found_inf_t=scalars.get("found_inf_t"),
+    )
+    _, u_sq = _ops.norm(updates)
+    return w_sq, u_sq
+
+
+def lamb_stage2_apply(
+    group: dict,
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor] | None,
+    w_sq: torch.Tensor,
+    u_sq: torch.Tensor,
+    *,
+    lr: float,
+    **scalars: torch.Tensor | None,
+) -> None:
+    """Trust ratio from the (fully reduced) per-tensor sums of squares, then the apply."""
+    _ops.lamb_stage2(
+        [params, updates] + ([outs] if outs is not None else []),
+        w_sq.sqrt(),
+        u_sq.sqrt(),
+        lr=lr,
+        weight_decay=group["weight_decay"],
+        use_nvlamb=group["use_nvlamb"],
+        lr_t=scalars.get("lr_t"),
+        found_inf_t=scalars.get("found_inf_t"),
+    )
+
+
+class FusedLAMB(FusedOptimizer):
+    """LAMB with fused multi-tensor kernels on CPU and CUDA tensors.
+
+    A drop-in replacement for ``apex.optimizers.FusedLAMB``: the global grad norm over all groups
+    clips the grads (``max_grad_norm``; 0 turns clipping off, where Apex's single-GPU kernel would
+    zero every update), then each tensor's update is scaled by its trust ratio ``||w|| / ||u||``.
+    Unlike Apex, state for fp16/bf16 params is kept in fp32. Do not clip grads again yourself.
+
+    Args:
+        params: iterable of params or of param-group dicts.
+        lr: learning rate.
+        bias_correction: divide the moments by ``1 - beta^t``.
+        betas: coefficients of the running averages.
+        eps: added to the denominator after the square root.
+        weight_decay: weight decay coefficient (decoupled when ``adam_w_mode``).
+        amsgrad: not supported; True raises RuntimeError.
+        adam_w_mode: decoupled weight decay (True) or L2 regularisation (False).
+        grad_averaging: scale the grad by ``1 - beta1`` in the first moment.
+        set_grad_none: default of ``zero_grad``'s ``set_to_none``.
+        max_grad_norm: clip threshold of the global grad norm; 0 disables clipping.
+        use_nvlamb: apply the trust ratio even to params with zero weight decay.
+
+    Raises:
+        RuntimeError: ``amsgrad=True``; sparse grads; params on several devices.
+        TypeError: a param of an unsupported dtype.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = FusedLAMB(model.parameters(), lr=1e-3, weight_decay=0.01)
+        >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """
+
+    state_names = STATE_NAMES
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        set_grad_none: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        *,
+        capturable: bool = False,
+        master_weights: bool = False,
+    ) -> None:
+        reject_amsgrad(amsgrad, type(self).__name__)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            adam_w_mode=adam_w_mode,
+            max_grad_norm=max_grad_norm,
+            use_nvlamb=use_nvlamb,
+        )
+        super().__init__(
+            params,
+            defaults,
+            set_grad_none=set_grad_none,
+            capturable=capturable,
+            master_weights=master_weights,
+        )
+        self._grad_scale_t: torch.Tensor | None = None
+
+    def _before_step(self) -> None:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        total_sq, _ = _ops.norm(grads)
+        inv_scale = None
+        grad_scale = getattr(self, "grad_scale", None) if self.capturable else None
+        if grad_scale is not None:
+            inv_scale = grad_scale.to(total_sq.device).float().reciprocal()
+        norm = total_sq.float().sqrt()
+        if inv_scale is not None:
+            norm = norm * inv_scale
+        # max_grad_norm is read from the constructor defaults (Apex's behaviour).
+        self._grad_scale_t = clip_scale(norm, self.defaults["max_grad_norm"], inv_scale)
+
+    def _update_group(self, group: dict, params: list, grads: list) -> None:
+        device = params[0].device
+        scalars = self._device_scalars(group, device)
+        scalars.pop("grad_scale_t", None)
+        math_params, outs = self._masters(params)
+        exp_avg, exp_avg_sq = self._state_tensors(params)
+        updates = [torch.empty_like(p, dtype=acc_dtype(p.dtype)) for p in math_params]
+        w_sq, u_sq = lamb_stage1_apply(
+            group,
+            grads,
+            math_params,
+            exp_avg,
+            exp_avg_sq,
+            updates,
+            step=self._step_scalar(group),
+            grad_scale_t=self._grad_scale_t.to(device),
+            **scalars,
+        )
+        lamb_stage2_apply(
+            group, math_params, updates, outs, w_sq, u_sq, lr=self._lr_scalar(group), **scalars
+        )

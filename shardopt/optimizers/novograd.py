@@ -1,0 +1,169 @@
+"""NovoGrad: the update rule and ``FusedNovoGrad`` (drop-in for apex.optimizers.FusedNovoGrad).
+
+The second moment is one number per tensor, kept as a norm. ``blend_second_moment`` updates those
+numbers on a small device vector (no host sync) and ``novograd_apply`` runs the per-element kernel
+(``csrc/optim/novograd_math.h``); both are shared with ``DistributedFusedNovoGrad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from shardopt import _ops
+from shardopt.optimizers.fused_optimizer import FusedOptimizer, reject_amsgrad
+
+
+def check_norm_type(norm_type: int) -> None:
+    if norm_type not in (0, 2):
+        raise RuntimeError(
+            f"FusedNovoGrad only supports norm_type 2 (L2) and 0 (infinity norm), got {norm_type}"
+        )
+
+
+def grad_norms(norm_type: int, sq_or_max: torch.Tensor) -> torch.Tensor:
+    """Per-tensor grad norms from the norm kernel's per-tensor output."""
+    return sq_or_max.sqrt() if norm_type == 2 else sq_or_max
+
+
+def blend_second_moment(
+    v: torch.Tensor, n: torch.Tensor, fresh: torch.Tensor, *, beta2: float, norm_type: int,
+    init_zero: bool,
+) -> torch.Tensor:
+    """New second moments from the old ``v``, grad norms ``n`` and the mask of first updates."""
+    v = v.to(n.dtype)
+    if norm_type == 2:
+        blended = torch.sqrt(beta2 * v * v + (1 - beta2) * n * n)
+    else:
+        blended = beta2 * v + (1 - beta2) * n
+    if init_zero:
+        start = torch.sqrt(1 - beta2) * n if norm_type == 2 else (1 - beta2) * n
+    else:
+        start = n
+    return torch.where(fresh, start, blended)
+
+
+def novograd_apply(
+    group: dict,
+    grads: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    exp_avg: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor] | None,
+    v: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    **scalars: torch.Tensor | None,
+) -> None:
+    """One NovoGrad update given the blended per-tensor second moments ``v``."""
+    beta1, beta2 = group["betas"]
+    _ops.novograd(
+        [grads, params, exp_avg] + ([outs] if outs is not None else []),
+        v,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        step=step,
+        bias_correction=group["bias_correction"],
+        weight_decay=group["weight_decay"],
+        grad_averaging=group["grad_averaging"],
+        moment_mode=0 if group["reg_inside_moment"] else 1,
+        **scalars,
+    )
+
+
+class FusedNovoGrad(FusedOptimizer):
+    """NovoGrad (per-tensor second moment) with fused kernels on CPU and CUDA tensors.
+
+    A drop-in replacement for ``apex.optimizers.FusedNovoGrad``. The per-tensor second moments are
+    kept as one fp32 vector per group in ``group["exp_avg_sq"]`` (Apex's layout), moved to the
+    params' device by ``load_state_dict``.
+
+    Args:
+        params: iterable of params or of param-group dicts.
+        lr: learning rate.
+        bias_correction: bias-correct both moments.
+        betas: coefficients of the running averages.
+        eps: added to the denominator.
+        weight_decay: weight decay coefficient.
+        amsgrad: not supported; True raises RuntimeError.
+        reg_inside_moment: apply weight decay inside the first moment (Apex's moment_mode 0).
+        grad_averaging: scale the grad by ``1 - beta1`` in the first moment.
+        norm_type: 2 (L2) or 0 (infinity norm) for the per-tensor grad norm.
+        init_zero: start the second moment at zero instead of the first grad norm.
+        set_grad_none: default of ``zero_grad``'s ``set_to_none``.
+
+    Raises:
+        RuntimeError: ``norm_type`` other than 0 or 2; ``amsgrad=True``; sparse grads.
+        TypeError: a param of an unsupported dtype.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = FusedNovoGrad(model.parameters(), lr=1e-2, betas=(0.95, 0.98))
+        >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """
+
+    state_names = ("exp_avg",)
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        reg_inside_moment: bool = False,
+        grad_averaging: bool = True,
+        norm_type: int = 2,
+        init_zero: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
+        reject_amsgrad(amsgrad, "FusedNovoGrad")
+        check_norm_type(norm_type)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            reg_inside_moment=reg_inside_moment,
+            norm_type=norm_type,
+            init_zero=init_zero,
+        )
+        super().__init__(params, defaults, set_grad_none=set_grad_none)
+
+    def _update_group(self, group: dict, params: list, grads: list) -> None:
+        device = params[0].device
+        all_params = group["params"]
+        if not torch.is_tensor(group.get("exp_avg_sq")):
+            group["exp_avg_sq"] = torch.zeros(len(all_params), dtype=torch.float32, device=device)
+        index = {id(p): i for i, p in enumerate(all_params)}
+        pos = torch.tensor([index[id(p)] for p in params], device=device)
+        fresh = torch.tensor(["exp_avg" not in self.state[p] for p in params], device=device)
+        (exp_avg,) = self._state_tensors(params)
+        _, per = _ops.norm(grads, max_norm=group["norm_type"] == 0)
+        n = grad_norms(group["norm_type"], per.to(device))
+        v = blend_second_moment(
+            group["exp_avg_sq"].index_select(0, pos),
+            n,
+            fresh,
+            beta2=group["betas"][1],
+            norm_type=group["norm_type"],
+            init_zero=group["init_zero"],
+        )
+        group["exp_avg_sq"].index_copy_(0, pos, v.to(group["exp_avg_sq"].dtype))
+        novograd_apply(
+            group, grads, params, exp_avg, None, v, step=self._step_scalar(group),
+            lr=self._lr_scalar(group),
+        )
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if torch.is_tensor(group.get("exp_avg_sq")):
+                group["exp_avg_sq"] = group["exp_avg_sq"].to(group["params"][0].device).float()

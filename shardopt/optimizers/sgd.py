@@ -1,0 +1,132 @@
+"""SGD with momentum: the update rule and ``FusedSGD`` (drop-in for apex.optimizers.FusedSGD).
+
+The math is ``csrc/optim/sgd_math.h``; ``sgd_apply`` is shared by ``FusedSGD`` and
+``DistributedFusedSGD``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from shardopt import _ops
+from shardopt.optimizers.fused_optimizer import FusedOptimizer
+
+_REQUIRED = object()
+
+
+def sgd_apply(
+    group: dict,
+    grads: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor] | None,
+    *,
+    first_run: bool,
+    lr: float,
+    scale: float = 1.0,
+    **scalars: torch.Tensor | None,
+) -> None:
+    """One SGD update; ``first_run`` initialises the momentum buffers to the grad (torch's rule)."""
+    _ops.sgd(
+        [grads, params, momentum_buffers] + ([outs] if outs is not None else []),
+        lr=lr,
+        momentum=group["momentum"],
+        dampening=group["dampening"],
+        weight_decay=group["weight_decay"],
+        nesterov=group["nesterov"],
+        first_run=first_run,
+        wd_after_momentum=group["wd_after_momentum"],
+        scale=scale,
+        **scalars,
+    )
+
+
+def check_sgd_args(lr, momentum: float, dampening: float, weight_decay: float, nesterov: bool):
+    """torch.optim.SGD's argument checks, with its messages."""
+    if lr is _REQUIRED:
+        raise TypeError("FusedSGD.__init__() missing 1 required positional argument: 'lr'")
+    if not torch.is_tensor(lr) and lr < 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if momentum < 0.0:
+        raise ValueError(f"Invalid momentum value: {momentum}")
+    if weight_decay < 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
+class FusedSGD(FusedOptimizer):
+    """SGD with momentum, nesterov and weight decay, fused over many tensors (CPU and CUDA).
+
+    A drop-in replacement for ``apex.optimizers.FusedSGD`` and ``torch.optim.SGD`` (same momentum
+    convention: ``buf = momentum * buf + (1 - dampening) * g``; the first step sets ``buf = g``).
+
+    Args:
+        params: iterable of params or of param-group dicts.
+        lr: learning rate (required).
+        momentum: momentum factor.
+        dampening: dampening of the momentum.
+        weight_decay: L2 penalty.
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening == 0).
+        wd_after_momentum: apply weight decay after the momentum instead of before.
+        materialize_master_grads: accepted for Apex compatibility (masters are kept in the kernel).
+        set_grad_none: default of ``zero_grad``'s ``set_to_none`` (False, as Apex).
+
+    Raises:
+        TypeError: missing ``lr``; a param of an unsupported dtype.
+        ValueError: a negative lr, momentum or weight decay; nesterov without momentum.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+        >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """
+
+    state_names = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | torch.Tensor = _REQUIRED,  # type: ignore[assignment]
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        wd_after_momentum: bool = False,
+        materialize_master_grads: bool = True,
+        set_grad_none: bool = False,
+    ) -> None:
+        check_sgd_args(lr, momentum, dampening, weight_decay, nesterov)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            wd_after_momentum=wd_after_momentum,
+        )
+        self.materialize_master_grads = materialize_master_grads
+        super().__init__(params, defaults, set_grad_none=set_grad_none)
+
+    def _update_group(self, group: dict, params: list, grads: list) -> None:
+        if group["momentum"] == 0:
+            sgd_apply(group, grads, params, params, None, first_run=False, lr=self._lr_scalar(group))
+            return
+        # torch's rule: a param without a buffer starts it from its grad this step.
+        fresh = [p for p in params if "momentum_buffer" not in self.state[p]]
+        seen = [p for p in params if "momentum_buffer" in self.state[p]]
+        for first_run, subset in ((True, fresh), (False, seen)):
+            if not subset:
+                continue
+            (bufs,) = self._state_tensors(subset)
+            sgd_apply(
+                group,
+                [p.grad for p in subset],
+                subset,
+                bufs,
+                None,
+                first_run=first_run,
+                lr=self._lr_scalar(group),
+            )
