@@ -9,10 +9,22 @@ from shardopt.optimizers import (
     FusedNovoGrad,
     FusedSGD,
 )
+from shardopt.zero import (
+    DistributedFusedAdagrad,
+    DistributedFusedAdam,
+    DistributedFusedLAMB,
+    DistributedFusedNovoGrad,
+    DistributedFusedSGD,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistributedFusedAdagrad",
+    "DistributedFusedAdam",
+    "DistributedFusedLAMB",
+    "DistributedFusedNovoGrad",
+    "DistributedFusedSGD",
     "FusedAdagrad",
     "FusedAdam",
     "FusedLAMB",

@@ -1,0 +1,17 @@
+"""The ZeRO sharding engine and the DistributedFused* optimizers."""
+
+from shardopt.zero.optimizers import (
+    DistributedFusedAdagrad,
+    DistributedFusedAdam,
+    DistributedFusedLAMB,
+    DistributedFusedNovoGrad,
+    DistributedFusedSGD,
+)
+
+__all__ = [
+    "DistributedFusedAdagrad",
+    "DistributedFusedAdam",
+    "DistributedFusedLAMB",
+    "DistributedFusedNovoGrad",
+    "DistributedFusedSGD",
+]

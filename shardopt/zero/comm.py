@@ -1,0 +1,101 @@
+"""The only module of shardopt.zero that calls torch.distributed.
+
+Wraps the collectives the engine needs (reduce-scatter, all-gather, all-reduce, broadcast) with
+the process-group plumbing and the backend quirks: NCCL needs CUDA tensors and gathers in place;
+gloo gets a separate input buffer for all-gather (its input may not alias the output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+# torch 2.13 renamed the tensor collectives (*_single); older releases only have *_tensor.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def require_initialized(owner: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{owner} needs torch.distributed: call torch.distributed.init_process_group() first "
+            "(torchrun sets the environment; use backend 'nccl' on GPUs, 'gloo' on CPU)"
+        )
+
+
+def rank(group: ProcessGroup | None) -> int:
+    return dist.get_rank(group)
+
+
+def world_size(group: ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def backend(group: ProcessGroup | None) -> str:
+    return str(dist.get_backend(group))
+
+
+def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` is idempotent."""
+
+    def __init__(self, work: dist.Work | None, after=None) -> None:
+        self._work = work
+        self._after = after
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._after is not None:
+            after, self._after = self._after, None
+            after()
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = True
+) -> Handle:
+    """SUM reduce-scatter of ``input`` (world_size equal chunks) into ``output``."""
+    work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return Handle(work)
+
+
+def all_gather(
+    output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup | None, async_op: bool = True
+) -> Handle:
+    """Gathers every rank's ``chunk`` into ``output``; ``chunk`` may be this rank's slice of it."""
+    if backend(group) != "nccl" and chunk.data_ptr() >= output.data_ptr() and (
+        chunk.data_ptr() < output.data_ptr() + output.numel() * output.element_size()
+    ):
+        chunk = chunk.clone()
+    work = _all_gather(output, chunk, group=group, async_op=async_op)
+    keep_alive = chunk
+    return Handle(work, after=lambda: keep_alive)
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum", async_op: bool = False
+) -> Handle:
+    """In-place all-reduce with op "sum" or "max"."""
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    return Handle(dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op))
+
+
+def broadcast(tensors: Sequence[torch.Tensor], src_group_rank: int, group: ProcessGroup | None):
+    """Broadcasts tensors in place from group rank ``src_group_rank``."""
+    src = global_rank(group, src_group_rank)
+    for t in tensors:
+        dist.broadcast(t, src=src, group=group)
+
+
+def all_gather_object(obj, group: ProcessGroup | None) -> list:
+    out: list = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,358 @@
+"""The five ZeRO-sharded optimizers: thin classes that plug an update rule into the engine.
+
+Each takes the single-process class's hyperparameters and defaults, plus the keyword-only sharding
+arguments of ``DistributedOptimizer`` (see ``ZERO_ARGS_DOC``), and calls the same update functions
+as the single-process class on this rank's flat shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from shardopt.optimizers.adagrad import adagrad_apply
+from shardopt.optimizers.adam import adam_apply
+from shardopt.optimizers.fused_optimizer import reject_amsgrad
+from shardopt.optimizers.lamb import clip_scale, lamb_stage1_apply, lamb_stage2_apply
+from shardopt.optimizers.novograd import blend_second_moment, check_norm_type
+from shardopt.optimizers.sgd import _REQUIRED, check_sgd_args, sgd_apply
+from shardopt.zero import comm
+from shardopt.zero.engine import DistributedOptimizer, StepScalars
+
+ZERO_ARGS_DOC = """
+    Sharding arguments (keyword-only):
+        process_group: the group the state is sharded over (default: WORLD).
+        redundant_process_group: shards are replicated across this group (HSDP-style): grad
+            shards are all-reduced over it after the reduce-scatter.
+        bucket_cap_mb: bucket size in MB of grad-sync dtype.
+        dtype: master weights and optimizer state dtype (float32).
+        grad_sync_dtype: dtype grads are accumulated and reduce-scattered in (default: the param
+            dtype for fp32 params, float32 for fp16/bf16 params).
+        param_sync_dtype: dtype params are all-gathered in (default: the param dtype).
+        average_grad_sync: average (True) or sum grads over ranks.
+        overlap_grad_sync: start a bucket's reduce-scatter during backward once its grads are in.
+        overlap_param_sync: leave the param all-gathers in flight after step() and wait for them
+            just before the next module forward.
+"""
+
+
+class DistributedFusedAdam(DistributedOptimizer):
+    """ZeRO-sharded Adam/AdamW: ``FusedAdam``'s math on this rank's shard.
+
+    Args:
+        params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad: as
+            ``FusedAdam``.
+        **zero_args: see the module's sharding arguments.
+
+    Example:
+        >>> opt = DistributedFusedAdam(model.parameters(), lr=1e-3)  # doctest: +SKIP
+        >>> loss_fn(model(x)).backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
+    """
+
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        **zero_args,
+    ) -> None:
+        reject_amsgrad(amsgrad, type(self).__name__)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        adam_w_mode=adam_w_mode, weight_decay=weight_decay)
+        super().__init__(params, defaults, **zero_args)
+
+    def _update(self, scalars: StepScalars) -> None:
+        for key in self.keys:
+            group, buf = self.param_groups[key.group_index], key.buffers
+            adam_apply(
+                group,
+                buf.per_bucket(buf.grad_shard),
+                buf.per_bucket(buf.master),
+                buf.per_bucket(buf.state["exp_avg"]),
+                buf.per_bucket(buf.state["exp_avg_sq"]),
+                self._outs(key),
+                step=0,
+                lr=float(group["lr"]),
+                **self._kernel_scalars(group, scalars),
+            )
+
+
+class DistributedFusedSGD(DistributedOptimizer):
+    """ZeRO-sharded SGD with momentum: ``FusedSGD``'s math on this rank's shard.
+
+    Under a GradScaler the first step reads the overflow flag on the host once, to know whether
+    the momentum buffers were initialised (torch's first-step rule); later steps do not sync.
+    """
+
+    state_names = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = _REQUIRED,  # type: ignore[assignment]
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        wd_after_momentum: bool = False,
+        **zero_args,
+    ) -> None:
+        check_sgd_args(lr, momentum, dampening, weight_decay, nesterov)
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, wd_after_momentum=wd_after_momentum)
+        super().__init__(params, defaults, **zero_args)
+        self._buffers_started = [False] * len(self.param_groups)
+
+    def _update(self, scalars: StepScalars) -> None:
+        started = {}
+        for key in self.keys:
+            gi = key.group_index
+            group, buf = self.param_groups[gi], key.buffers
+            first_run = group["momentum"] != 0 and not self._buffers_started[gi]
+            sgd_apply(
+                group,
+                buf.per_bucket(buf.grad_shard),
+                buf.per_bucket(buf.master),
+                buf.per_bucket(buf.state["momentum_buffer"]),
+                self._outs(key),
+                first_run=first_run,
+                lr=float(group["lr"]),
+                grad_scale_t=scalars.grad_scale_t,
+                found_inf_t=scalars.found_inf_t,
+            )
+            if first_run:
+                skipped = scalars.found_inf_t is not None and bool(scalars.found_inf_t.item())
+                started[gi] = not skipped
+        for gi, ok in started.items():
+            self._buffers_started[gi] = ok
+
+    def _extra_group_state(self, group_index: int) -> dict:
+        return {"momentum_started": self._buffers_started[group_index]}
+
+    def _load_extra_group_state(self, group_index: int, saved_group: dict) -> None:
+        self._buffers_started[group_index] = bool(
+            saved_group.get("momentum_started", float(saved_group.get("step", 0)) > 0)
+        )
+
+
+class DistributedFusedAdagrad(DistributedOptimizer):
+    """ZeRO-sharded Adagrad: ``FusedAdagrad``'s math on this rank's shard."""
+
+    state_names = ("sum",)
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        adagrad_w_mode: bool = False,
+        **zero_args,
+    ) -> None:
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode)
+        super().__init__(params, defaults, **zero_args)
+
+    def _update(self, scalars: StepScalars) -> None:
+        for key in self.keys:
+            group, buf = self.param_groups[key.group_index], key.buffers
+            adagrad_apply(
+                group,
+                buf.per_bucket(buf.grad_shard),
+                buf.per_bucket(buf.master),
+                buf.per_bucket(buf.state["sum"]),
+                self._outs(key),
+                lr=float(group["lr"]),
+                grad_scale_t=scalars.grad_scale_t,
+                found_inf_t=scalars.found_inf_t,
+            )
+
+
+class DistributedFusedLAMB(DistributedOptimizer):
+    """ZeRO-sharded LAMB: ``FusedLAMB``'s math on this rank's shard.
+
+    The global grad norm is one all-reduced sum of squares; the per-tensor ||w|| and ||u|| are
+    per-fragment partial sums added per param (``index_add``) and all-reduced as one vector of
+    length 2 x #params between stage 1 and stage 2.
+    """
+
+    state_names = ("exp_avg", "exp_avg_sq")
+    needs_grad_norm = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        **zero_args,
+    ) -> None:
+        reject_amsgrad(amsgrad, type(self).__name__)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm,
+                        use_nvlamb=use_nvlamb)
+        super().__init__(params, defaults, **zero_args)
+
+    def _update(self, scalars: StepScalars) -> None:
+        norm = scalars.sumsq.sqrt() * scalars.grad_scale_t
+        grad_scale_t = scalars.grad_scale_t * clip_scale(norm, self.defaults["max_grad_norm"])
+        n = len(self.params)
+        sums = torch.zeros(2 * n, dtype=torch.float32, device=self.device)
+        staged = []
+        for key in self.keys:
+            group, buf = self.param_groups[key.group_index], key.buffers
+            if not buf.fragments:
+                continue
+            updates = (
+                buf.grad_shard if buf.grad_shard.dtype == torch.float32
+                else torch.empty_like(buf.master)
+            )
+            masters = buf.per_fragment(buf.master)
+            u = buf.per_fragment(updates)
+            w_sq, u_sq = lamb_stage1_apply(
+                group,
+                buf.per_fragment(buf.grad_shard),
+                masters,
+                buf.per_fragment(buf.state["exp_avg"]),
+                buf.per_fragment(buf.state["exp_avg_sq"]),
+                u,
+                step=0,
+                grad_scale_t=grad_scale_t,
+                step_t=group["step"].reshape(1),
+                found_inf_t=scalars.found_inf_t,
+            )
+            index = torch.tensor([f.param for f in buf.fragments], device=self.device)
+            sums[:n].index_add_(0, index, w_sq.to(self.device, torch.float32))
+            sums[n:].index_add_(0, index, u_sq.to(self.device, torch.float32))
+            staged.append((key, group, masters, u, index))
+        comm.all_reduce(sums, self.process_group)
+        for key, group, masters, u, index in staged:
+            lamb_stage2_apply(
+                group,
+                masters,
+                u,
+                key.buffers.fragment_outs(key.buffers.sync_space),
+                sums[:n].index_select(0, index),
+                sums[n:].index_select(0, index),
+                lr=float(group["lr"]),
+                found_inf_t=scalars.found_inf_t,
+            )
+
+
+class DistributedFusedNovoGrad(DistributedOptimizer):
+    """ZeRO-sharded NovoGrad: ``FusedNovoGrad``'s math on this rank's shard.
+
+    Per-tensor grad norms are per-fragment partial sums of squares (or maxima for norm_type 0)
+    combined per param and all-reduced (sum, or max) before the update.
+    """
+
+    state_names = ("exp_avg",)
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        reg_inside_moment: bool = False,
+        grad_averaging: bool = True,
+        norm_type: int = 2,
+        init_zero: bool = False,
+        **zero_args,
+    ) -> None:
+        reject_amsgrad(amsgrad, type(self).__name__)
+        check_norm_type(norm_type)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        reg_inside_moment=reg_inside_moment, norm_type=norm_type,
+                        init_zero=init_zero)
+        super().__init__(params, defaults, **zero_args)
+        self.second_moment = torch.zeros(len(self.params), dtype=torch.float32, device=self.device)
+
+    def _update(self, scalars: StepScalars) -> None:
+        from shardopt import _ops
+        from shardopt.optimizers.novograd import novograd_apply
+
+        n = len(self.params)
+        sums = torch.zeros(n, dtype=torch.float32, device=self.device)
+        maxes = torch.zeros(n, dtype=torch.float32, device=self.device)
+        for key in self.keys:
+            group, buf = self.param_groups[key.group_index], key.buffers
+            if not buf.fragments:
+                continue
+            inf_norm = group["norm_type"] == 0
+            _, per = _ops.norm(buf.per_fragment(buf.grad_shard), max_norm=inf_norm)
+            index = torch.tensor([f.param for f in buf.fragments], device=self.device)
+            per = per.to(self.device, torch.float32)
+            if inf_norm:
+                maxes.scatter_reduce_(0, index, per, reduce="amax")
+            else:
+                sums.index_add_(0, index, per)
+        comm.all_reduce(sums, self.process_group)
+        comm.all_reduce(maxes, self.process_group, op="max")
+        scale = scalars.grad_scale_t.abs()
+        for key in self.keys:
+            group, buf = self.param_groups[key.group_index], key.buffers
+            members = torch.tensor(list(key.layout.params), device=self.device)
+            raw = maxes if group["norm_type"] == 0 else sums.sqrt()
+            norms = raw.index_select(0, members) * scale
+            old = self.second_moment.index_select(0, members)
+            fresh = (group["step"] == 1).expand_as(norms)
+            new = blend_second_moment(
+                old, norms, fresh, beta2=group["betas"][1], norm_type=group["norm_type"],
+                init_zero=group["init_zero"],
+            )
+            if scalars.found_inf_t is not None:
+                new = torch.where(scalars.found_inf_t.bool(), old, new)
+            self.second_moment.index_copy_(0, members, new)
+            if not buf.fragments:
+                continue
+            index = torch.tensor([f.param for f in buf.fragments], device=self.device)
+            novograd_apply(
+                group,
+                buf.per_fragment(buf.grad_shard),
+                buf.per_fragment(buf.master),
+                buf.per_fragment(buf.state["exp_avg"]),
+                buf.fragment_outs(buf.sync_space),
+                self.second_moment.index_select(0, index),
+                step=0,
+                lr=float(group["lr"]),
+                **self._kernel_scalars(group, scalars),
+            )
+
+    def _extra_group_state(self, group_index: int) -> dict:
+        group = self.param_groups[group_index]
+        vec = torch.zeros(len(group["params"]), dtype=torch.float32)
+        for j, p in enumerate(group["params"]):
+            i = self.param_index.get(id(p))
+            if i is not None:
+                vec[j] = self.second_moment[i].cpu()
+        return {"exp_avg_sq": vec}
+
+    def _load_extra_group_state(self, group_index: int, saved_group: dict) -> None:
+        vec = saved_group.get("exp_avg_sq")
+        if not torch.is_tensor(vec):
+            return
+        group = self.param_groups[group_index]
+        for j, p in enumerate(group["params"]):
+            i = self.param_index.get(id(p))
+            if i is not None:
+                self.second_moment[i] = vec[j].to(self.device)
