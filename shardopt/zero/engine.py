@@ -366,7 +366,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._wait_param_sync()
+        self.wait_param_sync()
         self._finish_grad_sync()
         scalars = self._step_scalars(grad_scaler)
         for group in self.param_groups:
@@ -431,11 +431,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 handles.append(h)
         self._param_sync_handles = handles
         if not self.overlap_param_sync:
-            self._wait_param_sync()
+            self.wait_param_sync()
         else:
             self._install_forward_wait()
 
-    def _wait_param_sync(self) -> None:
+    def wait_param_sync(self) -> None:
+        """Waits for the param all-gathers of the last step (needed only with
+        ``overlap_param_sync=True`` before reading params outside a module forward)."""
         if not self._param_sync_handles:
             return
         for h in self._param_sync_handles:
@@ -454,7 +456,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
 
         def wait_before_forward(module, args):
-            self._wait_param_sync()
+            self.wait_param_sync()
 
         self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
             wait_before_forward
@@ -505,7 +507,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         out into per-param CPU tensors, so the device never holds more than one bucket extra.
         Collective: every rank must call it.
         """
-        self._wait_param_sync()
+        self.wait_param_sync()
         ids = {id(p): i for i, p in enumerate(self.all_params)}
         state: dict[int, dict[str, Any]] = {}
         for key in self.keys:
@@ -622,4 +624,4 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ):
                 out.copy_(master)
         self._start_param_sync()
-        self._wait_param_sync()
+        self.wait_param_sync()

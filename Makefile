@@ -1,0 +1,31 @@
+# The same verbs for people and CI. `make train` and `make test` set up what they need first.
+PYTHON ?= python3
+NPROC ?= 2
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup train test test-gpu bench lint clean
+
+setup:
+	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -q -r requirements-dev.txt
+	$(PYTHON) -m pip install -q --no-build-isolation -e .
+
+train: setup
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) launch_scripts/train_gpt.py
+
+test: setup
+	$(PYTHON) -m pytest tests -q -m "not cuda and not multigpu" --durations=15 $(PYTEST_ARGS)
+
+test-gpu:
+	$(PYTHON) -m pytest tests -q -m "cuda" $(PYTEST_ARGS)
+
+bench:
+	$(PYTHON) launch_scripts/bench_kernels.py
+
+lint:
+	$(PYTHON) -m ruff check shardopt tests launch_scripts
+	$(PYTHON) -m ruff format --check shardopt tests launch_scripts
+
+clean:
+	rm -rf build *.egg-info shardopt/*.so
