@@ -7,6 +7,7 @@ rule; everything users see in common (argument checks, the deprecated Apex step 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -259,7 +260,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 group["step"] = step.to(g["params"][0].device, torch.float32).clone()
             new_groups.append(group)
         self.param_groups = new_groups
-        self.state = torch.optim.optimizer.defaultdict(dict, new_state)
+        self.state = defaultdict(dict, new_state)
 
     def _restore_state_tensor(self, key: str, value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         dtype = torch.float32 if key == "master_param" else acc_dtype(p.dtype)

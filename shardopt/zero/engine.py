@@ -72,6 +72,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     state_names: tuple[str, ...] = ()
     needs_grad_norm: bool = False  # LAMB's built-in clipping
+    # torch.amp.GradScaler hands itself to step(grad_scaler=...): grads live in our buffers, so the
+    # overflow check and unscaling happen inside the step (same decision on every rank).
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,

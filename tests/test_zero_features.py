@@ -1,0 +1,325 @@
+"""ZeRO features on gloo beyond plain parity: DDP equivalence, clip_grad_norm, GradScaler,
+tied/unused params, HSDP-style redundant groups, state_dict round trips, memory, misuse."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import shardopt
+from dist_harness import run_cases
+
+TOL = dict(rtol=1.3e-6, atol=1e-5)
+
+
+class Net(nn.Module):
+    """Tied embedding/output weights, a block used twice, and an unused param."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.block = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 11, bias=False)
+        self.out.weight = self.emb.weight  # tied
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = torch.tanh(self.block(torch.tanh(self.block(h))))  # block used twice
+        return self.out(h)
+
+
+def _data(step: int, rank: int):
+    gen = torch.Generator().manual_seed(7 * step + 1000 * rank)
+    idx = torch.randint(0, 11, (4, 5), generator=gen)
+    return idx, torch.randint(0, 11, (4, 5), generator=gen)
+
+
+def _loss(model, idx, tgt, scale=1.0):
+    logits = model(idx)
+    return nn.functional.cross_entropy(logits.reshape(-1, 11), tgt.reshape(-1)) * scale
+
+
+def _avg_grads(model, step, world):
+    """The rank-averaged gradient, computed locally by replaying every rank's batch."""
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    for r in range(world):
+        model.zero_grad(set_to_none=True)
+        _loss(model, *_data(step, r)).backward()
+        for g, p in zip(grads, model.parameters()):
+            if p.grad is not None:
+                g += p.grad / world
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_same(a: nn.Module, b: nn.Module, tol=TOL):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, **tol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def tied_unused_reused(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05, weight_decay=0.1,
+                                        bucket_cap_mb=64 * 4 / 2**20)
+    ref_opt = shardopt.FusedAdam(ref.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(3):
+        _loss(model, *_data(step, rank)).backward()
+        opt.step()
+        for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
+            p.grad = g  # the unused param gets a zero grad, as in the sharded optimizer
+        ref_opt.step()
+        _assert_same(model, ref)
+    assert model.out.weight is model.emb.weight
+
+
+def matches_ddp_adamw(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    del model.unused  # DDP needs every param used
+    base = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(base)
+    ddp_opt = torch.optim.AdamW(base.parameters(), lr=0.05, weight_decay=0.1)
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05, weight_decay=0.1,
+                                        bucket_cap_mb=100 * 4 / 2**20)
+    for step in range(4):
+        batch = _data(step, rank)
+        _loss(model, *batch).backward()
+        opt.step()
+        opt.zero_grad()
+        _loss(ddp, *batch).backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+    _assert_same(model, base)
+
+
+def clip_grad_norm_matches_torch(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = shardopt.DistributedFusedSGD(model.parameters(), lr=0.5, momentum=0.9,
+                                       bucket_cap_mb=64 * 4 / 2**20)
+    ref_opt = shardopt.FusedSGD(ref.parameters(), lr=0.5, momentum=0.9)
+    for step in range(3):
+        _loss(model, *_data(step, rank), scale=10.0).backward()
+        norm = opt.clip_grad_norm(0.3)
+        opt.step()
+        for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
+            p.grad = g * 10.0
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        ref_opt.step()
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        assert ref_norm > 0.3  # clipping was active
+        _assert_same(model, ref)
+
+
+def grad_scaler_skips_same_steps(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05,
+                                        bucket_cap_mb=64 * 4 / 2**20)
+    ref_opt = shardopt.FusedAdam(ref.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    poison = {1: ("inf", world - 1), 3: ("nan", 0)}  # step -> (value, rank that injects it)
+    scales = []
+    for step in range(5):
+        loss = _loss(model, *_data(step, rank))
+        scaler.scale(loss).backward()
+        if step in poison and poison[step][1] == rank:
+            # an inf/nan on ONE rank must skip the step on every rank
+            bad = float(poison[step][0])
+            with torch.no_grad():
+                opt.keys[0].buffers.grad_space[0] = bad
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        if step not in poison:
+            for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
+                p.grad = g
+            ref_opt.step()
+        _assert_same(model, ref)
+    assert scales == [2.0**11, 2.0**10, 2.0**11, 2.0**10, 2.0**11], scales
+    assert int(opt.param_groups[0]["step"].item()) == 3
+
+
+def redundant_group_hsdp(rank, world):
+    assert world == 4
+    shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = shardopt.DistributedFusedLAMB(
+        model.parameters(), lr=0.05, bucket_cap_mb=64 * 4 / 2**20,
+        process_group=shard_groups[rank // 2], redundant_process_group=replica_groups[rank % 2],
+    )
+    ref_opt = shardopt.FusedLAMB(ref.parameters(), lr=0.05)
+    for step in range(3):
+        _loss(model, *_data(step, rank)).backward()
+        opt.step()
+        for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
+            p.grad = g
+        ref_opt.step()
+        _assert_same(model, ref)
+
+
+def _train(model, opt, steps, rank, start=0):
+    for step in range(start, start + steps):
+        _loss(model, *_data(step, rank)).backward()
+        opt.step()
+
+
+def state_dict_round_trip(rank, world):
+    for name in ("Adam", "LAMB", "NovoGrad"):
+        torch.manual_seed(0)
+        model = Net()
+        cls = getattr(shardopt, f"DistributedFused{name}")
+        opt = cls(model.parameters(), lr=0.05, bucket_cap_mb=64 * 4 / 2**20)
+        _train(model, opt, 2, rank)
+        sd = opt.state_dict()
+        resumed = copy.deepcopy(model)
+        opt2 = cls(resumed.parameters(), lr=0.01, bucket_cap_mb=1.0)  # other buckets, other lr
+        opt2.load_state_dict(sd)
+        assert opt2.param_groups[0]["lr"] == 0.05
+        assert int(opt2.param_groups[0]["step"].item()) == 2
+        _train(model, opt, 2, rank, start=2)
+        _train(resumed, opt2, 2, rank, start=2)
+        _assert_same(model, resumed)
+        # the full state loads into the single-process class, which continues identically
+        single = copy.deepcopy(resumed)
+        single_opt = getattr(shardopt, f"Fused{name}")(single.parameters(), lr=0.05)
+        single_opt.load_state_dict(opt2.state_dict())
+        for step in (4, 5):
+            _train(resumed, opt2, 1, rank, start=step)
+            for p, g in zip(single.parameters(), _avg_grads(single, step, world)):
+                p.grad = g
+            single_opt.step()
+        _assert_same(resumed, single)
+
+
+def adamw_state_dict_imports(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    del model.unused
+    ref = copy.deepcopy(model)
+    adamw = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(2):
+        for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
+            p.grad = g
+        adamw.step()
+    model.load_state_dict(ref.state_dict())
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=1.0, bucket_cap_mb=64 * 4 / 2**20)
+    opt.load_state_dict(adamw.state_dict())
+    back = opt.state_dict()
+    for pid, entry in adamw.state_dict()["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(back["state"][pid][k], entry[k], rtol=0, atol=0)
+    _train(model, opt, 1, rank, start=2)
+    for p, g in zip(ref.parameters(), _avg_grads(ref, 2, world)):
+        p.grad = g
+    adamw.step()
+    _assert_same(model, ref, tol=dict(rtol=1e-5, atol=1e-6))
+
+
+def memory_matches_formula(rank, world):
+    # documented in docs/design.md: bytes per param = P + G + (4 * (1 + S) + G) / N (+ padding)
+    for dtype, grad_dtype, states in (
+        (torch.float32, torch.float32, 2),
+        (torch.bfloat16, torch.float32, 2),
+        (torch.bfloat16, torch.bfloat16, 2),
+    ):
+        params = [nn.Parameter(torch.zeros(40_000, dtype=dtype)) for _ in range(3)]
+        opt = shardopt.DistributedFusedAdam(params, grad_sync_dtype=grad_dtype,
+                                            bucket_cap_mb=0.05)
+        n = sum(p.numel() for p in params)
+        p_b, g_b = dtype.itemsize, grad_dtype.itemsize
+        expected = n * (p_b + g_b + (4 * (1 + states) + g_b) / world)
+        total = sum(opt.memory_bytes().values())
+        assert expected * (1 - 1e-9) <= total <= expected * 1.02, (dtype, grad_dtype, total, expected)
+
+
+def misuse_params_differ(rank, world):
+    params = [nn.Parameter(torch.zeros(4)) for _ in range(2 + (rank == world - 1))]
+    with pytest.raises(RuntimeError, match="params differ between ranks"):
+        shardopt.DistributedFusedAdam(params)
+
+
+def misuse_ddp_wrapped(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    del model.unused
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = shardopt.DistributedFusedAdam(ddp.parameters(), lr=0.05)
+    with pytest.raises(RuntimeError, match="DistributedDataParallel"):
+        _loss(ddp, *_data(0, rank)).backward()
+        opt.step()
+
+
+def misuse_frozen_then_unfrozen(rank, world):
+    model = Net()
+    model.block.bias.requires_grad_(False)
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05)
+    model.block.bias.requires_grad_(True)
+    _loss(model, *_data(0, rank)).backward()
+    with pytest.raises(RuntimeError, match="frozen"):
+        opt.step()
+
+
+def overlap_param_sync_waits_in_forward(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05, overlap_param_sync=True,
+                                        bucket_cap_mb=64 * 4 / 2**20)
+    ref_opt = shardopt.DistributedFusedAdam(ref.parameters(), lr=0.05,
+                                            bucket_cap_mb=64 * 4 / 2**20)
+    for step in range(3):
+        _loss(model, *_data(step, rank)).backward()  # the forward waits for the last gathers
+        opt.step()
+        _loss(ref, *_data(step, rank)).backward()
+        ref_opt.step()
+    model(torch.zeros(1, 1, dtype=torch.long))
+    _assert_same(model, ref)
+
+
+CASES = [
+    tied_unused_reused,
+    matches_ddp_adamw,
+    clip_grad_norm_matches_torch,
+    grad_scaler_skips_same_steps,
+    state_dict_round_trip,
+    adamw_state_dict_imports,
+    memory_matches_formula,
+    misuse_params_differ,
+    misuse_ddp_wrapped,
+    misuse_frozen_then_unfrozen,
+    overlap_param_sync_waits_in_forward,
+]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def results(request):
+    return run_cases(CASES, request.param)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_feature(results, case):
+    err = results[case.__name__]
+    assert err is None, err
+
+
+def test_redundant_process_group_world4():
+    err = run_cases([redundant_group_hsdp], 4)["redundant_group_hsdp"]
+    assert err is None, err
+
+
+def test_needs_init_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        shardopt.DistributedFusedAdam([nn.Parameter(torch.zeros(2))])
