@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardopt
 from dist_harness import run_cases
@@ -35,13 +36,21 @@ def _grad(shape, step, micro, rank, exact=False):
     return torch.randn(shape, generator=gen)
 
 
+def _device() -> torch.device:
+    """CUDA under NCCL (torchrun on GPUs: tests/nccl_parity.py), else CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _groups(params):
     return [{"params": params[:2]}, {"params": params[2:], "lr": 0.05}]
 
 
 def parity(name, rank, world, *, dtype=torch.float32, steps=3, micro_batches=3, **extra):
     torch.manual_seed(0)
-    init = [torch.randn(s) for s in SHAPES]
+    device = _device()
+    init = [torch.randn(s).to(device) for s in SHAPES]
     params = [torch.nn.Parameter(t.to(dtype)) for t in init]
     ref = [torch.nn.Parameter(t.to(dtype)) for t in init]
     engine_kw = {k: v for k, v in extra.items() if k in ENGINE_ARGS}
@@ -59,12 +68,12 @@ def parity(name, rank, world, *, dtype=torch.float32, steps=3, micro_batches=3, 
     exact = dtype != torch.float32
     denom = 1 if exact else world
     for step in range(steps):
-        avg = [torch.zeros(s) for s in SHAPES]
+        avg = [torch.zeros(s, device=device) for s in SHAPES]
         for micro in range(micro_batches):
             for r in range(world):
                 for a, s in zip(avg, SHAPES):
-                    a += _grad(s, step, micro, r, exact) / denom
-            xs = [_grad(s, step, micro, rank, exact) for s in SHAPES]
+                    a += _grad(s, step, micro, r, exact).to(device) / denom
+            xs = [_grad(s, step, micro, rank, exact).to(device) for s in SHAPES]
             last = micro == micro_batches - 1
             with torch.enable_grad() if last else opt.no_sync():
                 sum((p.float() * x).sum() for p, x in zip(params, xs)).backward()
