@@ -99,3 +99,8 @@ def all_gather_object(obj, group: ProcessGroup | None) -> list:
     out: list = [None] * world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def barrier() -> None:
+    """A barrier over every process (checkpoint publication)."""
+    dist.barrier()

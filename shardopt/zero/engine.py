@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self.params: list[torch.Tensor] = [p for p in self.all_params if p.requires_grad]
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
+        position = {id(p): i for i, p in enumerate(self.all_params)}
+        #: engine param index -> index among all params (torch.optim state-dict ids)
+        self.all_index = [position[id(p)] for p in self.params]
         self.device = _ops.common_device(self.all_params, "params")
         self._check_same_params_everywhere()
         self._broadcast_params()
@@ -140,7 +144,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._max_norm: float | None = None
         self._reset_iteration()
         self._param_sync_handles: list[comm.Handle] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self.params]
+        # The hooks hold the optimizer weakly: params outlive it, and a strong reference would keep
+        # every buffer alive after the optimizer is dropped.
+        ref = weakref.WeakMethod(self._grad_hook)
+
+        def hook(p: torch.Tensor) -> None:
+            method = ref()
+            if method is not None:
+                method(p)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+
+    def close(self) -> None:
+        """Removes the grad hooks and finishes in-flight param sync (the optimizer is unusable)."""
+        self.wait_param_sync()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __del__(self) -> None:
+        for h in getattr(self, "_hooks", []):
+            h.remove()
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -246,6 +270,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             key.buffers.grad_view(i).add_(p.grad.reshape(-1))
         p.grad = None
+        self._grads_dirty = True
         if not self._sync_enabled:
             return
         self._arrived.add(i)
@@ -379,8 +404,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group["step"].add_(1 - scalars.found_inf_t.reshape(()))
         self._update(scalars)
         self._start_param_sync()
-        for key in self.keys:
-            key.buffers.grad_space.zero_()
+        self._zero_grad_buffers()
         self._max_norm = None
         self._reset_iteration()
         return loss
@@ -465,10 +489,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             wait_before_forward
         )
 
+    def _zero_grad_buffers(self) -> None:
+        if getattr(self, "_grads_dirty", True):
+            for key in self.keys:
+                key.buffers.grad_space.zero_()
+        self._grads_dirty = False
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears accumulated grads (the flat grad buffers and any ``param.grad``)."""
-        for key in self.keys:
-            key.buffers.grad_space.zero_()
+        """Clears accumulated grads (the flat grad buffers, if not already clean, and any
+        ``param.grad``)."""
+        self._zero_grad_buffers()
         for p in self.all_params:
             if set_to_none:
                 p.grad = None
@@ -619,12 +649,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 step = max(steps) if steps else 0.0
             group["step"] = torch.tensor(step, dtype=torch.float32, device=self.device)
             self._load_extra_group_state(gi, sg)
-        # masters of low-precision params were loaded: write them back into the params
+        self._publish_masters()
+
+    @torch.no_grad()
+    def _publish_masters(self) -> None:
+        """Writes the master shards into the params and all-gathers them (after a load)."""
         for key in self.keys:
             buf = key.buffers
-            for f, master, out in zip(
-                buf.fragments, buf.per_fragment(buf.master), buf.fragment_outs(buf.sync_space)
-            ):
+            for master, out in zip(buf.per_fragment(buf.master), buf.fragment_outs(buf.sync_space)):
                 out.copy_(master)
         self._start_param_sync()
         self.wait_param_sync()

@@ -1,0 +1,33 @@
+"""``python -m shardopt.checkpoint {consolidate,inspect}``: offline checkpoint tools."""
+
+import argparse
+import sys
+
+from shardopt.checkpoint import CheckpointError, consolidate, inspect
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardopt.checkpoint")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="write a plain torch.optim state dict (and model)")
+    c.add_argument("checkpoint")
+    c.add_argument("out")
+    i = sub.add_parser("inspect", help="summarise a checkpoint and check its files")
+    i.add_argument("checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "consolidate":
+            for path in consolidate(args.checkpoint, args.out):
+                print(f"wrote {path}")
+        else:
+            report = inspect(args.checkpoint)
+            print(report)
+            return 0 if report.rstrip().endswith("OK") else 1
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
