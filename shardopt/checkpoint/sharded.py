@@ -117,12 +117,13 @@ def save(
     if os.environ.get(_KILL_ENV) == str(rank):
         os.kill(os.getpid(), signal.SIGKILL)
     gathered = comm.all_gather_object((name, entry, fragments), group)
+    ids = {id(p): i for i, p in enumerate(optimizer.all_params)}
     groups = [
         _jsonable(
             {
                 **{k: v for k, v in g.items() if k != "params"},
                 "step": int(g["step"].item()),
-                "params": [optimizer.all_params.index(p) for p in g["params"]],
+                "params": [ids[id(p)] for p in g["params"]],
                 **optimizer._extra_group_state(gi),
             }
         )

@@ -132,7 +132,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if found_inf is None:
                 group["step"].add_(1)
             else:
-                group["step"].add_(1 - found_inf.to(group["step"].device))
+                group["step"].add_(1 - found_inf.to(group["step"].device).reshape(()))
         else:
             group["step"] += 1
 

@@ -13,7 +13,12 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from shardopt import _ops
-from shardopt.optimizers.fused_optimizer import FusedOptimizer, acc_dtype, reject_amsgrad
+from shardopt.optimizers.fused_optimizer import (
+    FusedOptimizer,
+    acc_dtype,
+    check_grad,
+    reject_amsgrad,
+)
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 
@@ -25,12 +30,12 @@ def clip_scale(
 
     ``grad_norm`` is the norm of the unscaled grads; the result stays on the device (no sync).
     """
-    norm = grad_norm.float().reshape(1)
+    norm = grad_norm.reshape(1)
     if max_grad_norm > 0:
         factor = torch.where(norm > max_grad_norm, max_grad_norm / norm, torch.ones_like(norm))
     else:
         factor = torch.ones_like(norm)
-    return factor if inv_scale is None else factor * inv_scale.reshape(1)
+    return factor if inv_scale is None else factor * inv_scale.reshape(1).to(factor.dtype)
 
 
 def lamb_stage1_apply(
@@ -167,15 +172,18 @@ class FusedLAMB(FusedOptimizer):
         self._grad_scale_t: torch.Tensor | None = None
 
     def _before_step(self) -> None:
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
             return
+        for p in params:
+            check_grad(p, type(self).__name__)
+        grads = [p.grad for p in params]
         total_sq, _ = _ops.norm(grads)
         inv_scale = None
         grad_scale = getattr(self, "grad_scale", None) if self.capturable else None
         if grad_scale is not None:
             inv_scale = grad_scale.to(total_sq.device).float().reciprocal()
-        norm = total_sq.float().sqrt()
+        norm = total_sq.sqrt()
         if inv_scale is not None:
             norm = norm * inv_scale
         # max_grad_norm is read from the constructor defaults (Apex's behaviour).

@@ -7,6 +7,7 @@ numbers on a small device vector (no host sync) and ``novograd_apply`` runs the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -38,7 +39,7 @@ def blend_second_moment(
     else:
         blended = beta2 * v + (1 - beta2) * n
     if init_zero:
-        start = torch.sqrt(1 - beta2) * n if norm_type == 2 else (1 - beta2) * n
+        start = math.sqrt(1 - beta2) * n if norm_type == 2 else (1 - beta2) * n
     else:
         start = n
     return torch.where(fresh, start, blended)

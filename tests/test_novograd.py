@@ -1,0 +1,117 @@
+"""FusedNovoGrad against the fp64 reference: norm types, init_zero, reg_inside_moment, state."""
+
+import copy
+
+import pytest
+import torch
+from conftest import (
+    DTYPES,
+    SIZE_CASES,
+    SMALL_SHAPES,
+    Parity,
+    make_params,
+    run_vs_reference,
+    shapes_for,
+    skip_unsupported,
+)
+
+from shardopt import FusedNovoGrad, reference
+
+
+
+
+
+def _fp64_tolerance(dtype):
+    """SPEC keeps the second moments in one fp32 vector, so fp64 runs are only fp32-exact."""
+    return dict(compare_as=torch.float32) if dtype == torch.float64 else {}
+
+
+def _check_second_moment(run):
+    """group["exp_avg_sq"] (one fp32 norm per param) against the reference's 0-dim norms."""
+    index = 0
+    for group in run.opt.param_groups:
+        v = group["exp_avg_sq"]
+        assert v.dtype == torch.float32 and v.shape == (len(group["params"]),)
+        for k in range(len(group["params"])):
+            want = run.ref.state.get(index, {}).get("exp_avg_sq", torch.zeros((), dtype=torch.float64))
+            torch.testing.assert_close(v[k].double().cpu(), want, rtol=1e-5, atol=1e-7)
+            index += 1
+
+
+@pytest.mark.parametrize("reg_inside_moment", [False, True])
+@pytest.mark.parametrize(
+    "norm_type, init_zero",
+    [(2, False), (2, True), (0, False), (0, True)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_options_match_reference(norm_type, init_zero, reg_inside_moment, dtype, device):
+    skip_unsupported(dtype, device)
+    run = run_vs_reference(
+        FusedNovoGrad, reference.NovoGrad, SMALL_SHAPES, dtype, device, lr=0.01 if init_zero else 0.2,
+        **_fp64_tolerance(dtype),
+        weight_decay=0.1, norm_type=norm_type, init_zero=init_zero,
+        reg_inside_moment=reg_inside_moment, state_keys=("exp_avg",),
+    )
+    _check_second_moment(run)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(grad_averaging=False), dict(bias_correction=False), dict(betas=(0.95, 0.98), eps=1e-4)],
+    ids=["no-grad-averaging", "no-bias-correction", "betas-eps"],
+)
+def test_other_options_match_reference(options, device):
+    run_vs_reference(
+        FusedNovoGrad, reference.NovoGrad, SMALL_SHAPES, torch.float32, device, lr=1e-2,
+        weight_decay=0.05, state_keys=("exp_avg",), **options,
+    )
+
+
+@pytest.mark.parametrize("size, dtype", SIZE_CASES)
+def test_sizes_match_reference(size, dtype, device):
+    skip_unsupported(dtype, device)
+    run_vs_reference(
+        FusedNovoGrad, reference.NovoGrad, shapes_for(size, device), dtype, device,
+        steps=2 if size == "large" else 3, lr=2.0, weight_decay=0.01, **_fp64_tolerance(dtype),
+    )
+
+
+def test_params_without_grads_are_skipped(device):
+    run = run_vs_reference(
+        FusedNovoGrad, reference.NovoGrad, SMALL_SHAPES, torch.float32, device, lr=1e-2,
+        state_keys=("exp_avg",), skip=lambda t, i: i == 1 or (i == 3 and t < 2),
+    )
+    _check_second_moment(run)
+    assert run.opt.state.get(run.params[1], {}) == {}
+    assert run.opt.param_groups[0]["exp_avg_sq"][1].item() == 0.0
+
+
+def test_step_without_any_grad_is_a_noop(device):
+    params = make_params(SMALL_SHAPES, torch.float32, device)
+    start = [p.clone() for p in params]
+    opt = FusedNovoGrad(params)
+    opt.step()
+    assert opt.param_groups[0]["step"] == 0 and len(opt.state) == 0
+    assert all(torch.equal(p, s) for p, s in zip(params, start))
+
+
+def test_state_dict_restores_the_second_moment_vector(device):
+    run = Parity(FusedNovoGrad, reference.NovoGrad, SMALL_SHAPES, torch.float32, device, lr=1e-2,
+                 weight_decay=0.1)
+    for _ in range(2):
+        run.step()
+    sd = copy.deepcopy(run.opt.state_dict())
+    clone = [p.clone() for p in run.params]
+    other = FusedNovoGrad(clone, lr=1e-2, weight_decay=0.1)
+    other.load_state_dict(sd)
+    v = other.param_groups[0]["exp_avg_sq"]
+    assert v.device == device and v.dtype == torch.float32
+    assert torch.equal(v, run.opt.param_groups[0]["exp_avg_sq"])
+    for _ in range(2):
+        grads = run.step()
+        for q, g in zip(clone, grads):
+            q.grad = g.clone()
+        other.step()
+        run.check(state_keys=("exp_avg",))
+        for p, q in zip(run.params, clone):
+            assert torch.equal(p, q)
