@@ -190,25 +190,42 @@ def _edit_metadata(directory: Path, **changes) -> None:
     (directory / "metadata.json").write_text(json.dumps(meta))
 
 
+# One process launch per entry, in order (saves before the resumes that read them).
+PLAN = [
+    (2, [save_w2]),
+    (3, [save_w3, resume_from_w2]),
+    (4, [save_w4, resume_from_w2]),
+    (1, [resume_from_w2]),
+    (2, [resume_from_w3, resume_from_w4, consolidate_adamw_round_trip, bad_inputs]),
+]
+
+
 @pytest.fixture(scope="module")
-def root():
+def results():
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[ROOT] = tmp
-        assert run_cases([save_w2], 2)["save_w2"] is None
-        assert run_cases([save_w3], 3)["save_w3"] is None
-        assert run_cases([save_w4], 4)["save_w4"] is None
-        yield Path(tmp)
-        os.environ.pop(ROOT, None)
+        out = {}
+        try:
+            for world, cases in PLAN:
+                for name, err in run_cases(cases, world).items():
+                    out[(world, name)] = err
+            yield Path(tmp), out
+        finally:
+            os.environ.pop(ROOT, None)
+
+
+@pytest.fixture(scope="module")
+def root(results):
+    return results[0]
 
 
 @pytest.mark.parametrize(
     "world,case",
-    [(1, resume_from_w2), (3, resume_from_w2), (4, resume_from_w2), (2, resume_from_w3),
-     (2, resume_from_w4), (2, consolidate_adamw_round_trip), (2, bad_inputs)],
-    ids=lambda v: v if isinstance(v, int) else v.__name__,
+    [(w, c) for w, cases in PLAN for c in cases],
+    ids=lambda v: f"world{v}" if isinstance(v, int) else v.__name__,
 )
-def test_checkpoint(root, world, case):
-    err = run_cases([case], world)[case.__name__]
+def test_checkpoint(results, world, case):
+    err = results[1][(world, case.__name__)]
     assert err is None, err
 
 
