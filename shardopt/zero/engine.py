@@ -96,8 +96,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm.require_initialized(name)
         super().__init__(params, defaults)
         check_param_dtypes(self.param_groups, name)
-        if dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"{name}: dtype (master/state dtype) must be float32 or float64, got {dtype}")
+        if dtype != torch.float32:
+            raise TypeError(f"{name}: dtype (master/state dtype) must be torch.float32, got {dtype}")
         for arg, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
             if value not in (None, torch.float32, torch.float16, torch.bfloat16, torch.float64):
                 raise TypeError(f"{name}: {arg} must be a floating dtype, got {value}")
@@ -120,6 +120,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         # Params in param-group order; frozen ones get no buckets and no state.
         self.all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        for p in self.all_params:
+            if p.dtype == torch.float64:
+                raise TypeError(
+                    f"{name} supports float32, float16 and bfloat16 params; use FusedAdam etc. "
+                    "for float64"
+                )
         self.params: list[torch.Tensor] = [p for p in self.all_params if p.requires_grad]
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
         position = {id(p): i for i, p in enumerate(self.all_params)}

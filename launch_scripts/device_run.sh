@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: build the CUDA extension, then run the named stages, logging to
+# $OUT. Stages: tests (pytest -m cuda), parity (NCCL parity suite, 2 GPUs), kernels
+# (bench_kernels.py), train (bench_train.py, 2 GPUs), example (train_gpt.py, 2 GPUs).
+#   bash launch_scripts/device_run.sh tests parity kernels
+set -uo pipefail
+OUT=${OUT:-/tmp/shardopt-out}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} SHARDOPT_BUILD_CUDA=1 PYTHONUNBUFFERED=1
+export MAX_JOBS=${MAX_JOBS:-32} SHARDOPT_BUILD_DIR=${SHARDOPT_BUILD_DIR:-$PWD/.build}
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+stage() { echo "== $1 $(date +%T)"; }
+
+stage build
+python3 - <<'PY' 2>&1 | tee "$OUT/build.log" | tail -4
+import time, torch
+t = time.time()
+import shardopt
+assert shardopt.cuda_available(), "CUDA kernels were not built"
+print(f"built in {time.time() - t:.0f} s; torch {torch.__version__}, {torch.cuda.get_device_name()}")
+PY
+[ "${PIPESTATUS[0]}" = 0 ] || exit 1
+
+for s in "$@"; do
+  stage "$s"
+  case $s in
+    tests) timeout 300 python3 -m pytest tests -q -m cuda -p no:cacheprovider -x \
+             > "$OUT/cuda_tests.log" 2>&1; tail -4 "$OUT/cuda_tests.log" ;;
+    parity) timeout 240 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_parity.py \
+             > "$OUT/nccl_parity.log" 2>&1; grep -E "PASS|FAIL|passed" "$OUT/nccl_parity.log" | tail -15 ;;
+    kernels) timeout 280 python3 launch_scripts/bench_kernels.py --out "$OUT/bench_kernels.json" \
+             > "$OUT/bench_kernels.log" 2>&1; tail -45 "$OUT/bench_kernels.log" ;;
+    train) timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
+             --out "$OUT/bench_train.json" > "$OUT/bench_train.log" 2>&1; tail -40 "$OUT/bench_train.log" ;;
+    example) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train_gpt.py \
+             --out-dir "$OUT/example" --no-progress > "$OUT/example.log" 2>&1; tail -8 "$OUT/example.log" ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+stage done
