@@ -319,3 +319,54 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     finally:
         os.environ.pop(ROOT, None)
     assert err is None, err
+
+
+# -- torch.distributed.checkpoint interop -------------------------------------------------------
+
+
+def _dcp_run(rank, world, save):
+    import torch.distributed.checkpoint as dcp
+
+    for name in ("Adam", "NovoGrad"):
+        path = str(_root() / f"dcp-{name}")
+        model = _model()
+        opt = _opt(name, model, 64 * 4 / 2**20 if save else 1.0)
+        if save:
+            for s in range(2):
+                _step(model, opt, s, rank, world)
+            dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()},
+                     checkpoint_id=path)
+            for s in range(2, 4):
+                _step(model, opt, s, rank, world)
+            if rank == 0:
+                torch.save(model.state_dict(), path + "-final.pt")
+            dist.barrier()
+            continue
+        sd = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+        dcp.load(sd, checkpoint_id=path)
+        model.load_state_dict(sd["model"])
+        opt.load_sharded_state_dict(sd["optim"])
+        assert int(opt.param_groups[0]["step"].item()) == 2
+        for s in range(2, 4):
+            _step(model, opt, s, rank, world)
+        expected = torch.load(path + "-final.pt", weights_only=True)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, expected[k], **TOL)
+
+
+def dcp_save(rank, world):
+    _dcp_run(rank, world, save=True)
+
+
+def dcp_load(rank, world):
+    _dcp_run(rank, world, save=False)
+
+
+def test_dcp_reshard_2_to_3(tmp_path):
+    os.environ[ROOT] = str(tmp_path)
+    try:
+        assert run_cases([dcp_save], 2)["dcp_save"] is None
+        err = run_cases([dcp_load], 3)["dcp_load"]
+    finally:
+        os.environ.pop(ROOT, None)
+    assert err is None, err

@@ -657,6 +657,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._load_extra_group_state(gi, sg)
         self._publish_masters()
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The state as ShardedTensors for ``torch.distributed.checkpoint`` (collective); see
+        ``shardopt.checkpoint.dcp``. Load with ``dcp.load`` then ``load_sharded_state_dict``."""
+        from shardopt.checkpoint.dcp import sharded_state_dict
+
+        return sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Finishes a ``torch.distributed.checkpoint.load`` into ``sharded_state_dict()``."""
+        from shardopt.checkpoint.dcp import load_sharded_state_dict
+
+        load_sharded_state_dict(self, state_dict)
+
     @torch.no_grad()
     def _publish_masters(self) -> None:
         """Writes the master shards into the params and all-gathers them (after a load)."""
