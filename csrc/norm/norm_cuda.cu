@@ -1,0 +1,161 @@
+// Per-tensor and total sum of squares (or max |x|) of CUDA tensors, deterministically: no float
+// atomics. Pass 1 runs over the cuda traversal (cuda_apply.cuh); each (tensor, chunk) block reduces
+// its chunk in a fixed order and stores the partial at its work-unit ordinal, and the tensor's
+// chunk-0 block records where its partials start. Pass 2 reduces each tensor's partials in order,
+// pass 3 the per-tensor values. Same inputs, same bits, every run. nan propagates (through max
+// too).
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include "../kernels.h"
+#include "../multi_tensor/cuda_apply.cuh"
+#include "../multi_tensor/dispatch.h"
+
+namespace shardopt {
+namespace {
+
+template <typename T>
+__device__ __forceinline__ T nan_max(T a, T b) {
+  return (a != a || a > b) ? a : b;
+}
+
+template <typename T>
+__device__ __forceinline__ T combine(T a, T b, bool max_norm) {
+  return max_norm ? nan_max(a, b) : a + b;
+}
+
+// Fixed-shape tree over the block; the result is valid in thread 0. Called once per kernel.
+template <typename T>
+__device__ T block_reduce(T v, bool max_norm) {
+  __shared__ T warp_values[cuda::kBlockSize / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = combine(v, __shfl_down_sync(0xffffffffu, v, offset), max_norm);
+  }
+  if (threadIdx.x % 32 == 0) warp_values[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = threadIdx.x < cuda::kBlockSize / 32 ? warp_values[threadIdx.x] : T(0);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      v = combine(v, __shfl_down_sync(0xffffffffu, v, offset), max_norm);
+    }
+  }
+  return v;
+}
+
+// Pass 1 op over one slot of storage type T; partials are out_t.
+template <typename T, typename out_t>
+struct NormOp {
+  using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  using Slots = cuda::Slots<T>;
+  out_t* partial;  // one per work unit
+  int64_t* first;  // per tensor: [first unit, number of chunks]
+  bool max_norm;
+
+  __device__ bool skip() const { return false; }
+  __device__ bool reads(int) const { return true; }
+  __device__ bool writes(int) const { return false; }
+
+  template <typename C>
+  __device__ acc_t begin(const C&) const {
+    return acc_t(0);
+  }
+
+  __device__ void operator()(acc_t (&x)[1], acc_t& acc) const {
+    acc = max_norm ? nan_max(acc, acc_t(fabs(x[0]))) : acc + x[0] * x[0];
+  }
+
+  template <typename C>
+  __device__ void end(const C& c, acc_t& acc) const {
+    acc = block_reduce(acc, max_norm);
+    if (threadIdx.x != 0) return;
+    partial[c.unit] = static_cast<out_t>(acc);
+    if (c.chunk == 0) {
+      first[2 * c.tensor] = c.unit;
+      first[2 * c.tensor + 1] = (c.numel + cuda::kChunkSize - 1) / cuda::kChunkSize;
+    }
+  }
+};
+
+// Block b reduces in[first[2b] .. first[2b] + first[2b+1]) into out[b]; without `first`, block 0
+// reduces in[0 .. count).
+template <typename T>
+__global__ void __launch_bounds__(cuda::kBlockSize)
+    reduce_kernel(const T* in, const int64_t* first, int64_t count, T* out, bool max_norm) {
+  const int64_t begin = first != nullptr ? first[2 * blockIdx.x] : 0;
+  const int64_t n = first != nullptr ? first[2 * blockIdx.x + 1] : count;
+  T v = T(0);
+  for (int64_t i = threadIdx.x; i < n; i += cuda::kBlockSize) {
+    v = combine(v, in[begin + i], max_norm);
+  }
+  v = block_reduce(v, max_norm);
+  if (threadIdx.x == 0) out[blockIdx.x] = v;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> norm_cuda(const TensorList& tensors, bool max_norm) {
+  if (tensors.empty()) {
+    const auto opts = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
+    return {at::zeros({}, opts), at::zeros({0}, opts)};
+  }
+  const at::Device device = tensors[0].device();
+  // Mixed dtypes are allowed here, so check_tensor_lists (one dtype per slot) does not apply.
+  bool all_double = true;
+  int64_t units = 0;
+  std::vector<at::ScalarType> dtypes;  // in order of first appearance
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.device() == device, "norm: tensor ", i, " is on ", t.device(), ", tensor 0 on ",
+                device, "; all tensors must be on one CUDA device");
+    TORCH_CHECK(t.device().is_cuda(), "norm: tensor ", i, " is not a CUDA tensor");
+    TORCH_CHECK(t.layout() == at::kStrided, "norm: sparse tensors are not supported");
+    TORCH_CHECK(t.is_contiguous(), "norm: tensor ", i, " is not contiguous");
+    all_double = all_double && t.scalar_type() == at::kDouble;
+    units += (t.numel() + cuda::kChunkSize - 1) / cuda::kChunkSize;
+    if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) {
+      dtypes.push_back(t.scalar_type());
+    }
+  }
+  const c10::cuda::OptionalCUDAGuard guard(device);
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  const auto opts = at::TensorOptions().device(device).dtype(all_double ? at::kDouble : at::kFloat);
+  at::Tensor partial = at::empty({std::max<int64_t>(units, 1)}, opts);
+  at::Tensor first = at::zeros({n, 2}, opts.dtype(at::kLong));  // empty tensors keep 0 chunks
+  at::Tensor per_tensor = at::empty({n}, opts);
+  at::Tensor total = at::empty({}, opts);
+  const std::vector<std::vector<at::Tensor>> lists{tensors};
+
+  auto run = [&](auto out) {
+    using out_t = decltype(out);
+    int64_t unit = 0;
+    for (const at::ScalarType dtype : dtypes) {  // one traversal per dtype, units continue
+      std::vector<int64_t> order;
+      for (int64_t i = 0; i < n; ++i) {
+        if (tensors[i].scalar_type() == dtype) order.push_back(i);
+      }
+      dispatch_float(dtype, "norm", [&](auto storage) {
+        using Op = NormOp<decltype(storage), out_t>;
+        const Op op{partial.data_ptr<out_t>(), first.data_ptr<int64_t>(), max_norm};
+        unit = cuda::apply_chunks<1>(lists, order, cuda::Elementwise<Op>{op}, unit);
+      });
+    }
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    reduce_kernel<out_t><<<static_cast<unsigned>(n), cuda::kBlockSize, 0, stream>>>(
+        partial.data_ptr<out_t>(), first.data_ptr<int64_t>(), 0, per_tensor.data_ptr<out_t>(),
+        max_norm);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    reduce_kernel<out_t><<<1, cuda::kBlockSize, 0, stream>>>(
+        per_tensor.data_ptr<out_t>(), nullptr, n, total.data_ptr<out_t>(), max_norm);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (all_double) {
+    run(double{});
+  } else {
+    run(float{});
+  }
+  return {total, per_tensor};
+}
+
+}  // namespace shardopt
