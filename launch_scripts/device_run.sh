@@ -8,6 +8,7 @@ OUT=${OUT:-/tmp/shardopt-out}
 mkdir -p "$OUT"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} SHARDOPT_BUILD_CUDA=1 PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-32} SHARDOPT_BUILD_DIR=${SHARDOPT_BUILD_DIR:-$PWD/.build}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 stage() { echo "== $1 $(date +%T)"; }
 
@@ -24,8 +25,8 @@ PY
 for s in "$@"; do
   stage "$s"
   case $s in
-    tests) timeout 300 python3 -m pytest tests -q -m cuda -p no:cacheprovider -x \
-             > "$OUT/cuda_tests.log" 2>&1; tail -4 "$OUT/cuda_tests.log" ;;
+    tests) timeout 300 python3 -m pytest tests -q -m cuda -p no:cacheprovider \
+             > "$OUT/cuda_tests.log" 2>&1; grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.log" | head -20; tail -2 "$OUT/cuda_tests.log" ;;
     parity) timeout 240 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_parity.py \
              > "$OUT/nccl_parity.log" 2>&1; grep -E "PASS|FAIL|passed" "$OUT/nccl_parity.log" | tail -15 ;;
     kernels) timeout 280 python3 launch_scripts/bench_kernels.py --out "$OUT/bench_kernels.json" \

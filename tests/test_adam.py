@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from conftest import (
+    SCALER_CASES,
     DTYPES,
     LOW_DTYPES,
     SIZE_CASES,
@@ -102,8 +103,9 @@ def test_capturable_with_tensor_lr_follows_in_place_changes(device):
     run.check(state_keys=STATE)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_capturable_grad_scaler_skips_inf_step_and_resumes(dtype, device):
+@pytest.mark.parametrize("dtype,device_name", SCALER_CASES)
+def test_capturable_grad_scaler_skips_inf_step_and_resumes(dtype, device_name):
+    device = torch.device(device_name)
     """GradScaler hands scale and found_inf to the kernel; an inf skips everything on the device."""
     master = dtype != torch.float32
     run = Parity(

@@ -2,7 +2,15 @@
 
 import pytest
 import torch
-from conftest import LOW_DTYPES, SMALL_SHAPES, Parity, init_scaler, run_vs_reference, scaled_step
+from conftest import (
+    LOW_DTYPES,
+    SCALER_CASES,
+    SMALL_SHAPES,
+    Parity,
+    init_scaler,
+    run_vs_reference,
+    scaled_step,
+)
 
 from shardopt import FusedMixedPrecisionLamb, reference
 
@@ -45,8 +53,9 @@ def test_initial_step_argument_sets_the_bias_correction(device):
     assert run.opt.param_groups[0]["step"].item() == 12
 
 
-@pytest.mark.parametrize("dtype", LOW_DTYPES)
-def test_grad_scaler_inf_skips_the_step_without_advancing(dtype, device):
+@pytest.mark.parametrize("dtype,device_name", [c for c in SCALER_CASES if c.values[0] != torch.float32])
+def test_grad_scaler_inf_skips_the_step_without_advancing(dtype, device_name):
+    device = torch.device(device_name)
     run = Parity(FusedMixedPrecisionLamb, reference.LAMB, SMALL_SHAPES, dtype, device, lr=1e-2,
                  reduced_precision_dtype=dtype, max_grad_norm=0.5)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
