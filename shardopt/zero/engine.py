@@ -147,9 +147,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             group["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
         self._sync_enabled = True
+        self._alias_grads = False
         self._max_norm: float | None = None
         self._reset_iteration()
-        self._param_sync_handles: list[comm.Handle] = []
+        self._param_sync_pending: dict[tuple[int, int], comm.Handle] = {}
+        self._forward_hook = None
         # The hooks hold the optimizer weakly: params outlive it, and a strong reference would keep
         # every buffer alive after the optimizer is dropped.
         ref = weakref.WeakMethod(self._grad_hook)
@@ -273,9 +275,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer.no_sync(), and call step() before the next synchronised backward"
             )
         check_grad(p, type(self).__name__)
-        with torch.no_grad():
-            key.buffers.grad_view(i).add_(p.grad.reshape(-1))
-        p.grad = None
+        view = key.buffers.grad_view(i)
+        if not self._is_alias(p, view):
+            with torch.no_grad():
+                view.add_(p.grad.reshape(-1))
+            # From the second step on (the first one checked that nothing else writes .grad, e.g.
+            # a DDP wrapper), p.grad becomes a view of the flat buffer where dtypes match, so
+            # autograd accumulates in place: no temporary grad, no copy.
+            aliasable = self._alias_grads and view.dtype == p.dtype
+            p.grad = view.view_as(p) if aliasable else None
         self._grads_dirty = True
         if not self._sync_enabled:
             return
@@ -284,6 +292,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._pending[(key.index, b)] -= 1
         if self.overlap_grad_sync:
             self._launch_ready(force=False)
+
+    @staticmethod
+    def _is_alias(p: torch.Tensor, view: torch.Tensor) -> bool:
+        g = p.grad
+        return (
+            g is not None
+            and g.dtype == view.dtype
+            and g.data_ptr() == view.data_ptr()
+            and g.numel() == view.numel()
+        )
+
+    def _grad_is_alias(self, p: torch.Tensor) -> bool:
+        i = self.param_index.get(id(p))
+        return i is not None and self._is_alias(p, self._param_key[i].buffers.grad_view(i))
 
     def _launch_ready(self, force: bool) -> None:
         """Launches reduce-scatters strictly in bucket order, up to the first incomplete one."""
@@ -308,7 +330,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._grad_synced:
             return
         for p in self.all_params:
-            if p.grad is not None:
+            if p.grad is not None and not self._grad_is_alias(p):
                 raise RuntimeError(self._stray_grad_message(p))
         self._launch_ready(force=True)
         for h in self._grad_handles:
@@ -411,6 +433,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._update(scalars)
         self._start_param_sync()
         self._zero_grad_buffers()
+        self._alias_grads = True
         self._max_norm = None
         self._reset_iteration()
         return loss
@@ -445,51 +468,97 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "found_inf_t": scalars.found_inf_t,
         }
 
-    def _outs(self, key: _Key) -> list[torch.Tensor]:
+    def _direct_gather(self, key: _Key) -> bool:
+        """fp32 params: the master shard IS the param chunk's content, so the all-gather reads
+        the master directly and the kernel needs no out slot (see Note: dtypes)."""
+        buf = key.buffers
+        return key.param_dtype == buf.master.dtype and buf.sync_space is buf.param_space
+
+    def _outs(self, key: _Key) -> list[torch.Tensor] | None:
+        """Per-bucket out slots of the update kernel (None when the gather reads the master)."""
+        if self._direct_gather(key):
+            return None
         return key.buffers.chunks(key.buffers.sync_space)
 
-    # -- param sync ------------------------------------------------------------------------------
+    def _fragment_outs(self, key: _Key) -> list[torch.Tensor] | None:
+        if self._direct_gather(key):
+            return None
+        return key.buffers.fragment_outs(key.buffers.sync_space)
+
+    # -- param sync (see Note: one step) ---------------------------------------------------------
 
     def _start_param_sync(self) -> None:
-        handles = []
+        """All-gathers every bucket, in forward order (registration order: buckets reversed)."""
+        pending: dict[tuple[int, int], comm.Handle] = {}
         for key in self.keys:
             buf = key.buffers
-            for bucket in key.layout.buckets:
-                h = comm.all_gather(
-                    buf.bucket(buf.sync_space, bucket),
-                    buf.chunk(buf.sync_space, bucket),
-                    self.process_group,
-                    async_op=True,
+            direct = self._direct_gather(key)
+            for bucket in reversed(key.layout.buckets):
+                chunk = (
+                    buf.shard_of_bucket(buf.master, bucket)
+                    if direct
+                    else buf.chunk(buf.sync_space, bucket)
                 )
-                handles.append(h)
-        self._param_sync_handles = handles
+                pending[(key.index, bucket.index)] = comm.all_gather(
+                    buf.bucket(buf.sync_space, bucket), chunk, self.process_group, async_op=True
+                )
+        self._param_sync_pending = pending
         if not self.overlap_param_sync:
             self.wait_param_sync()
         else:
             self._install_forward_wait()
 
+    def _finish_bucket_sync(self, ki: int, bi: int) -> None:
+        handle = self._param_sync_pending.pop((ki, bi), None)
+        if handle is None:
+            return
+        handle.wait()
+        buf = self.keys[ki].buffers
+        if buf.sync_space is not buf.param_space:
+            bucket = self.keys[ki].layout.buckets[bi]
+            buf.bucket(buf.param_space, bucket).copy_(buf.bucket(buf.sync_space, bucket))
+
     def wait_param_sync(self) -> None:
         """Waits for the param all-gathers of the last step (needed only with
         ``overlap_param_sync=True`` before reading params outside a module forward)."""
-        if not self._param_sync_handles:
-            return
-        for h in self._param_sync_handles:
-            h.wait()
-        self._param_sync_handles = []
-        for key in self.keys:
-            if key.buffers.sync_space is not key.buffers.param_space:
-                key.buffers.param_space.copy_(key.buffers.sync_space)
+        for ki, bi in list(getattr(self, "_param_sync_pending", {})):
+            self._finish_bucket_sync(ki, bi)
         if getattr(self, "_forward_hook", None) is not None:
             self._forward_hook.remove()
             self._forward_hook = None
 
+    def _module_buckets(self, module: torch.nn.Module) -> list[tuple[int, int]]:
+        """The (key, bucket) pairs holding a module's own params (cached per module)."""
+        cache = self.__dict__.setdefault("_module_bucket_cache", {})
+        found = cache.get(id(module))
+        if found is None:
+            found = []
+            for p in module.parameters(recurse=False):
+                i = self.param_index.get(id(p))
+                if i is not None:
+                    ki = self._param_key[i].index
+                    found += [(ki, bi) for bi in self._param_buckets[i] if (ki, bi) not in found]
+            cache[id(module)] = found
+        return found
+
     def _install_forward_wait(self) -> None:
-        """Waits for the param all-gathers just before the first module forward that follows."""
+        """Before each module's forward, waits only for the buckets holding that module's own
+        params, so the all-gathers of later layers overlap the forward of earlier ones. A param
+        used outside its own module's forward, before that module has run, must be waited for
+        with ``wait_param_sync()``."""
         if getattr(self, "_forward_hook", None) is not None:
             return
+        ref = weakref.ref(self)
 
         def wait_before_forward(module, args):
-            self.wait_param_sync()
+            opt = ref()
+            if opt is None:
+                return
+            for ki, bi in opt._module_buckets(module):
+                opt._finish_bucket_sync(ki, bi)
+            if not opt._param_sync_pending and opt._forward_hook is not None:
+                opt._forward_hook.remove()
+                opt._forward_hook = None
 
         self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
             wait_before_forward
@@ -503,9 +572,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears accumulated grads (the flat grad buffers, if not already clean, and any
-        ``param.grad``)."""
+        ``param.grad``). Grads that are views of the flat buffer stay set (now zero), so the next
+        backward keeps accumulating in place."""
         self._zero_grad_buffers()
         for p in self.all_params:
+            if self._grad_is_alias(p):
+                continue
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
@@ -675,6 +747,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Writes the master shards into the params and all-gathers them (after a load)."""
         for key in self.keys:
             buf = key.buffers
+            if self._direct_gather(key):
+                continue
             for master, out in zip(buf.per_fragment(buf.master), buf.fragment_outs(buf.sync_space)):
                 out.copy_(master)
         self._start_param_sync()
