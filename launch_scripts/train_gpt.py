@@ -643,6 +643,7 @@ def main(argv: list[str] | None = None) -> None:
     env = init_distributed(args.device)
     try:
         train(args, env)
+        dist.barrier()  # rank 0 writes the outputs; no rank tears gloo down under another
     finally:
         dist.destroy_process_group()
 
