@@ -89,13 +89,5 @@ def load_sharded_state_dict(optimizer: DistributedOptimizer, sd: dict[str, Any])
             f"the loaded state has {len(groups)} param groups, the optimizer has "
             f"{len(optimizer.param_groups)}"
         )
-    for gi, (g, sg) in enumerate(zip(optimizer.param_groups, groups)):
-        for k, v in sg.items():
-            if k in optimizer.defaults:
-                g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
-        g["step"] = torch.tensor(float(sg["step"]), device=optimizer.device)
-        extra = dict(sg)
-        if "exp_avg_sq" in extra:
-            extra["exp_avg_sq"] = torch.tensor(extra["exp_avg_sq"], dtype=torch.float32)
-        optimizer._load_extra_group_state(gi, extra)
+    optimizer._restore_groups(groups)
     optimizer._publish_masters()

@@ -249,13 +249,5 @@ def load(
                         src = piece.shift(-saved["start"])
                         for n, shard in named.items():
                             shard[dst.start : dst.end].copy_(saved[n][src.start : src.end])
-        for gi, (g, sg) in enumerate(zip(optimizer.param_groups, metadata["param_groups"])):
-            for k, v in sg.items():
-                if k in optimizer.defaults:
-                    g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
-            g["step"] = torch.tensor(float(sg["step"]), device=optimizer.device)
-            extra = dict(sg)
-            if "exp_avg_sq" in extra:
-                extra["exp_avg_sq"] = torch.tensor(extra["exp_avg_sq"], dtype=torch.float32)
-            optimizer._load_extra_group_state(gi, extra)
+        optimizer._restore_groups(metadata["param_groups"])
         optimizer._publish_masters()

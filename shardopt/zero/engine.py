@@ -603,6 +603,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             named["master_param"] = key.buffers.master
         return named
 
+    def _restore_groups(self, saved_groups: list[dict[str, Any]]) -> None:
+        """Hyperparameters, steps and algorithm extras from JSON-like saved groups (checkpoints)."""
+        for gi, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+            for k, v in sg.items():
+                if k in self.defaults:
+                    g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+            g["step"] = torch.tensor(float(sg["step"]), device=self.device)
+            extra = dict(sg)
+            if "exp_avg_sq" in extra:
+                extra["exp_avg_sq"] = torch.tensor(extra["exp_avg_sq"], dtype=torch.float32)
+            self._load_extra_group_state(gi, extra)
+
     def _extra_group_state(self, group_index: int) -> dict[str, Any]:
         """Algorithm-specific per-group entries of the state dict (NovoGrad's norms)."""
         return {}
