@@ -1,13 +1,23 @@
 // The CUDA multi-tensor traversal, the counterpart of cpu_apply.h (Apex's multi_tensor_apply with
-// 64-bit sizes). Why this shape:
-// - One block per (tensor, chunk) work unit, described in the kernel ARGUMENTS (ChunkMeta, by
-//   value, under the 4 KB limit): no host->device copy, so launches are CUDA-graph safe and never
-//   sync, and thousands of tiny tensors share a few launches. When the struct is full we launch
-//   and go on.
-// - A tensor of kMaxBlocks chunks or more gets launches of its own with one block per chunk and no
-//   per-block table (the fast path for one huge flat buffer).
-// - Every work unit has an ordinal (Chunk::unit), assigned in traversal order, so a reduction can
-//   write per-chunk partials to fixed slots and stay deterministic (norm_cuda.cu).
+// 64-bit sizes).
+//
+// Launch scheme. The work is one (tensor, chunk) unit of kChunkSize elements per thread block. A
+// launch describes up to ChunkMeta::kMaxTensors tensors in its kernel ARGUMENTS (by value,
+// __grid_constant__): per tensor its slot pointers, numel, index in the caller's lists and the
+// running total of blocks through it (block_end, an int32 prefix sum over the launch's tensors).
+// The grid is exactly one block per chunk, with no per-block table, so a launch holds any number
+// of chunks (up to kMaxGrid); block b finds its tensor by a binary search of block_end (a few
+// uniform constant-bank loads, log2 of the tensors in the launch) and its chunk as b minus the
+// tensor's first block (plus first_chunk for entry 0, the only one that can continue a tensor
+// split by a previous launch). With nvcc >= 12.1 the arguments may take 32764 bytes (CUDA 12.1's
+// large kernel parameters; sm_70+), so a launch packs several hundred tensors (671 at depth 4,
+// 575 at depth 5): a GPT-style parameter set of a few hundred tensors is ONE launch filling the
+// GPU, with a single tail. Older nvcc falls back to the 4 KB limit (~70 tensors per launch).
+// - No host->device copy: launches are CUDA-graph safe and never sync.
+// - Every work unit has an ordinal (Chunk::unit = first_unit + blockIdx.x), assigned in traversal
+//   order with each tensor's chunks consecutive, so a reduction can write per-chunk partials to
+//   fixed slots and stay deterministic (norm_cuda.cu): the ordinal is a fixed function of
+//   (tensor, chunk) and of the order, whatever the packing.
 // - Elementwise<Op> is the per-block loop every optimizer shares: slots are loaded into acc_t
 //   registers, Op updates one element, written slots are stored back. Vector path: groups of G
 //   elements (16 bytes of the widest slot, so fp16 grads next to fp32 state move as 8 + 16 bytes),
@@ -39,14 +49,21 @@ namespace shardopt {
 namespace cuda {
 
 constexpr int kBlockSize = 512;
-constexpr int kMaxBlocks = 320;            // work units per packed launch
 constexpr int kMinBlocksPerSm = 2;         // caps registers at 64 so two blocks fit on an SM
-constexpr int64_t kMaxGrid = 1 << 30;      // blocks per launch on the flat path
+constexpr int64_t kMaxGrid = 1 << 30;      // blocks per launch (block_end is int32)
 
-// Tensors per packed launch by list depth, keeping ChunkMeta under 4 KB of kernel arguments.
-constexpr int max_tensors(int depth) {
-  return depth == 1 ? 110 : depth == 2 ? 64 : depth == 3 ? 48 : depth == 4 ? 36 : 30;
-}
+// Bytes of kernel arguments: CUDA 12.1+ takes 32764 (sm_70+, which every nvcc 12.1+ target is).
+#if defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))
+constexpr int kParamBytes = 32764;
+#else
+constexpr int kParamBytes = 4096;
+#endif
+constexpr int kFunctorBytes = 512;  // kept free for the functor (checked in apply_chunks)
+constexpr int kMetaBytes = kParamBytes - kFunctorBytes;
+
+// Tensors per launch by list depth: per tensor 8 bytes per slot + numel + block_end + index.
+constexpr int max_tensors(int depth) { return (kMetaBytes - 32) / (8 * depth + 16); }
 
 template <int Depth>
 struct ChunkMeta {
@@ -54,16 +71,16 @@ struct ChunkMeta {
   static constexpr int kMaxTensors = max_tensors(Depth);
   void* addresses[Depth][kMaxTensors];
   int64_t numel[kMaxTensors];
-  int32_t index[kMaxTensors];  // the tensor's position in the caller's lists
-  uint8_t block_tensor[kMaxBlocks];
-  int32_t block_chunk[kMaxBlocks];
-  int64_t first_unit;  // ordinal of block 0's work unit
-  int64_t flat_chunk;  // >= 0: flat launch of tensor 0, block b does chunk flat_chunk + b
+  int32_t block_end[kMaxTensors];  // blocks of tensors 0..t (prefix sum): t owns [end[t-1], end[t])
+  int32_t index[kMaxTensors];      // the tensor's position in the caller's lists
+  int64_t first_chunk;             // chunk of tensor 0 done by block 0 (> 0: a continued tensor)
+  int64_t first_unit;              // ordinal of block 0's work unit
+  int32_t tensors;                 // entries used
 };
-static_assert(sizeof(ChunkMeta<1>) <= 3900 && sizeof(ChunkMeta<2>) <= 3900 &&
-                  sizeof(ChunkMeta<3>) <= 3900 && sizeof(ChunkMeta<4>) <= 3900 &&
-                  sizeof(ChunkMeta<5>) <= 3900,
-              "kernel arguments must stay under 4 KB with room for the functor");
+static_assert(sizeof(ChunkMeta<1>) <= kMetaBytes && sizeof(ChunkMeta<2>) <= kMetaBytes &&
+                  sizeof(ChunkMeta<3>) <= kMetaBytes && sizeof(ChunkMeta<4>) <= kMetaBytes &&
+                  sizeof(ChunkMeta<5>) <= kMetaBytes,
+              "kernel arguments must leave room for the functor");
 
 // What one block works on.
 template <int Depth>
@@ -79,84 +96,82 @@ struct Chunk {
 
 template <int Depth, typename F>
 __global__ void __launch_bounds__(kBlockSize, kMinBlocksPerSm)
-    chunk_kernel(const __grid_constant__ ChunkMeta<Depth> meta,
-                                                           const F f) {
-  const bool flat = meta.flat_chunk >= 0;
-  const int local = flat ? 0 : meta.block_tensor[blockIdx.x];
+    chunk_kernel(const __grid_constant__ ChunkMeta<Depth> meta, const F f) {
+  const int b = static_cast<int>(blockIdx.x);
+  // The first entry whose block_end exceeds b, i.e. the number of entries ending at or before b
+  // (block_end is increasing and its last entry is the grid, so the answer is below tensors).
+  // Branch-free binary search; b is uniform, so these are broadcast constant-bank loads.
+  int lo = 0;
+  for (int step = 1 << (31 - __clz(meta.tensors)); step > 0; step >>= 1) {
+    if (lo + step < meta.tensors && meta.block_end[lo + step - 1] <= b) lo += step;
+  }
+  const int local = lo;
+  const int first_block = local == 0 ? 0 : meta.block_end[local - 1];
   Chunk<Depth> c;
 #pragma unroll
   for (int s = 0; s < Depth; ++s) c.base[s] = meta.addresses[s][local];
-  c.chunk = flat ? meta.flat_chunk + blockIdx.x : meta.block_chunk[blockIdx.x];
+  c.chunk = (local == 0 ? meta.first_chunk : int64_t{0}) + (b - first_block);
   c.start = c.chunk * kChunkSize;
   c.numel = meta.numel[local];
   c.n = c.numel - c.start < kChunkSize ? c.numel - c.start : kChunkSize;
-  c.unit = meta.first_unit + blockIdx.x;
+  c.unit = meta.first_unit + b;
   c.tensor = meta.index[local];
   f(c);
 }
 
 // Runs f(Chunk) once per (tensor, chunk) of the tensors lists[*][i], i in `order` (empty tensors
 // are skipped). Units are numbered from first_unit in order, each tensor's chunks consecutively;
-// returns the next free ordinal.
+// returns the next free ordinal. A launch takes tensors until kMaxTensors or kMaxGrid blocks; a
+// tensor that does not fit in the blocks left continues as entry 0 of the next launch.
 template <int Depth, typename F>
 int64_t apply_chunks(const std::vector<std::vector<at::Tensor>>& lists,
                      const std::vector<int64_t>& order, const F& f, int64_t first_unit = 0) {
+  using Meta = ChunkMeta<Depth>;
+  static_assert(sizeof(Meta) + sizeof(F) + alignof(F) <= kParamBytes,
+                "kernel arguments (ChunkMeta + functor) exceed the kernel parameter limit");
   TORCH_CHECK(lists.size() == static_cast<size_t>(Depth), "apply_chunks: expected ", Depth,
               " lists, got ", lists.size());
   if (order.empty()) return first_unit;
   const c10::cuda::OptionalCUDAGuard guard(lists[0][order[0]].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  using Meta = ChunkMeta<Depth>;
   int64_t unit = first_unit;
-  auto launch = [&](Meta& meta, int64_t blocks) {
+  Meta meta;  // only entries [0, tensors) are read; the rest may hold anything
+  std::memset(&meta, 0, sizeof(meta));
+  int tensors = 0;
+  int64_t blocks = 0;
+  auto launch = [&]() {
+    if (blocks == 0) return;
+    meta.tensors = tensors;
     meta.first_unit = unit;
     chunk_kernel<Depth, F><<<static_cast<unsigned>(blocks), kBlockSize, 0, stream>>>(meta, f);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     unit += blocks;
-  };
-  auto set_tensor = [&](Meta& meta, int slot, int64_t i) {
-    for (int s = 0; s < Depth; ++s) meta.addresses[s][slot] = lists[s][i].data_ptr();
-    meta.numel[slot] = lists[0][i].numel();
-    meta.index[slot] = static_cast<int32_t>(i);
+    tensors = 0;
+    blocks = 0;
+    meta.first_chunk = 0;
   };
 
-  Meta meta{};
-  meta.flat_chunk = -1;
-  int tensors = 0;
-  int blocks = 0;
   for (const int64_t i : order) {
     const int64_t numel = lists[0][i].numel();
     if (numel == 0) continue;
     const int64_t chunks = (numel + kChunkSize - 1) / kChunkSize;
-    if (chunks >= kMaxBlocks) {
-      if (blocks > 0) launch(meta, blocks);  // keep each tensor's units consecutive
-      tensors = blocks = 0;
-      Meta flat{};
-      set_tensor(flat, 0, i);
-      for (int64_t c = 0; c < chunks; c += kMaxGrid) {
-        flat.flat_chunk = c;
-        launch(flat, std::min(kMaxGrid, chunks - c));
-      }
-      continue;
-    }
-    set_tensor(meta, tensors++, i);
-    for (int64_t c = 0; c < chunks; ++c) {
-      meta.block_tensor[blocks] = static_cast<uint8_t>(tensors - 1);
-      meta.block_chunk[blocks++] = static_cast<int32_t>(c);
-      const bool last = c == chunks - 1;
-      if (blocks == kMaxBlocks || (last && tensors == Meta::kMaxTensors)) {
-        launch(meta, blocks);
-        blocks = 0;
-        if (last) {
-          tensors = 0;
-        } else {  // the tensor continues in the next launch
-          set_tensor(meta, 0, i);
-          tensors = 1;
-        }
-      }
+    for (int64_t c = 0; c < chunks;) {
+      if (tensors == Meta::kMaxTensors) launch();
+      const int64_t take = std::min(chunks - c, kMaxGrid - blocks);
+      TORCH_INTERNAL_ASSERT(take > 0 && (c == 0 || tensors == 0),
+                            "apply_chunks: only entry 0 may continue a tensor");
+      if (tensors == 0) meta.first_chunk = c;
+      for (int s = 0; s < Depth; ++s) meta.addresses[s][tensors] = lists[s][i].data_ptr();
+      meta.numel[tensors] = numel;
+      meta.index[tensors] = static_cast<int32_t>(i);
+      blocks += take;
+      meta.block_end[tensors] = static_cast<int32_t>(blocks);
+      ++tensors;
+      c += take;
+      if (blocks == kMaxGrid) launch();
     }
   }
-  if (blocks > 0) launch(meta, blocks);
+  launch();
   return unit;
 }
 
