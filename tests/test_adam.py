@@ -105,7 +105,7 @@ def test_capturable_with_tensor_lr_follows_in_place_changes(device):
 
 @pytest.mark.parametrize("dtype,device_name", SCALER_CASES)
 def test_capturable_grad_scaler_skips_inf_step_and_resumes(dtype, device_name):
-    device = torch.device(device_name)
+    device = torch.device(device_name, 0 if device_name == "cuda" else None)
     """GradScaler hands scale and found_inf to the kernel; an inf skips everything on the device."""
     master = dtype != torch.float32
     run = Parity(

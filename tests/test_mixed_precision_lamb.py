@@ -55,7 +55,7 @@ def test_initial_step_argument_sets_the_bias_correction(device):
 
 @pytest.mark.parametrize("dtype,device_name", [c for c in SCALER_CASES if c.values[0] != torch.float32])
 def test_grad_scaler_inf_skips_the_step_without_advancing(dtype, device_name):
-    device = torch.device(device_name)
+    device = torch.device(device_name, 0 if device_name == "cuda" else None)
     run = Parity(FusedMixedPrecisionLamb, reference.LAMB, SMALL_SHAPES, dtype, device, lr=1e-2,
                  reduced_precision_dtype=dtype, max_grad_norm=0.5)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
