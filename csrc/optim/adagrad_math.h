@@ -22,7 +22,7 @@ template <typename T>
 SHARDOPT_HD void update(T& p, T g, T& h_sum, const Hyper<T>& h) {
   if (!h.adagrad_w_mode) g += h.weight_decay * p;
   h_sum += g * g;
-  T u = g / (sqrt(h_sum) + h.eps);
+  T u = g / (sqrt_of(h_sum) + h.eps);
   if (h.adagrad_w_mode) u += h.weight_decay * p;
   p -= h.lr * u;
 }

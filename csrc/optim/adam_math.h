@@ -26,7 +26,7 @@ SHARDOPT_HD void update(T& p, T g, T& m, T& v, const Hyper<T>& h) {
   if (!h.adam_w_mode) g += h.weight_decay * p;
   m = h.beta1 * m + (T(1) - h.beta1) * g;
   v = h.beta2 * v + (T(1) - h.beta2) * g * g;
-  T u = (m / h.bc1) / (sqrt(v / h.bc2) + h.eps);
+  T u = (m / h.bc1) / (sqrt_of(v / h.bc2) + h.eps);
   if (h.adam_w_mode) u += h.weight_decay * p;
   p -= h.lr * u;
 }

@@ -39,14 +39,19 @@ void lamb_stage1_cpu(const TensorLists& lists, double beta1, double beta2, doubl
         auto v = cpu::pointers<acc_t>(lists[kExpAvgSq]);
         auto u = cpu::pointers<acc_t>(lists[kUpdate]);
         cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+          // local copies: stores through the data pointers cannot alias them, so the loop
+          // vectorises
+          const auto hl = h;
+          const acc_t gsl = gs;
+          (void)gsl;
           auto* gk = g[k];
           auto* pk = p[k];
           acc_t* mk = m[k];
           acc_t* vk = v[k];
           acc_t* uk = u[k];  // may alias gk (fp32 grads): each element is read before written
           for (int64_t i = s; i < e; ++i) {
-            const acc_t gi = static_cast<acc_t>(gk[i]) * gs;
-            uk[i] = stage1<acc_t>(static_cast<acc_t>(pk[i]), gi, mk[i], vk[i], h);
+            const acc_t gi = static_cast<acc_t>(gk[i]) * gsl;
+            uk[i] = stage1<acc_t>(static_cast<acc_t>(pk[i]), gi, mk[i], vk[i], hl);
           }
         });
       });

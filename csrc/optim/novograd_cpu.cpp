@@ -45,6 +45,11 @@ void novograd_cpu(const TensorLists& lists, const at::Tensor& v_norm, double lr,
         std::vector<typename Ty::out_t*> o;
         if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kOut]);
         cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+          // local copies: stores through the data pointers cannot alias them, so the loop
+          // vectorises
+          const auto hl = h;
+          const acc_t gsl = gs;
+          (void)gsl;
           const acc_t denom = static_cast<acc_t>(vnp[k]) / h.bc2_sqrt + h.eps;
           auto* gk = g[k];
           auto* pk = p[k];
@@ -53,7 +58,7 @@ void novograd_cpu(const TensorLists& lists, const at::Tensor& v_norm, double lr,
 #pragma omp simd
           for (int64_t i = s; i < e; ++i) {
             acc_t pi = static_cast<acc_t>(pk[i]);
-            update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gs, mk[i], denom, h);
+            update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, mk[i], denom, hl);
             pk[i] = static_cast<typename Ty::param_t>(pi);
             if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
           }

@@ -34,17 +34,30 @@ void sgd_cpu(const TensorLists& lists, double lr, double momentum, double dampen
         std::vector<typename Ty::out_t*> o;
         if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kOut]);
         cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+          // local copies: stores through the data pointers cannot alias them, so the loop
+          // vectorises
+          const auto hl = h;
+          const acc_t gsl = gs;
+          (void)gsl;
           auto* gk = g[k];
           auto* pk = p[k];
           acc_t* bk = b[k];
           typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
-          acc_t unused = 0;
+          if (bk == nullptr) {  // momentum 0: no buffer to read or write
+#pragma omp simd
+            for (int64_t i = s; i < e; ++i) {
+              acc_t pi = static_cast<acc_t>(pk[i]);
+              acc_t unused = 0;
+              update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, unused, hl);
+              pk[i] = static_cast<typename Ty::param_t>(pi);
+              if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+            }
+            return;
+          }
 #pragma omp simd
           for (int64_t i = s; i < e; ++i) {
             acc_t pi = static_cast<acc_t>(pk[i]);
-            acc_t bi = bk ? bk[i] : unused;
-            update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gs, bi, h);
-            if (bk) bk[i] = bi;
+            update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, bk[i], hl);
             pk[i] = static_cast<typename Ty::param_t>(pi);
             if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
           }
