@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build the CUDA extension, then run the named stages, logging to
 # $OUT. Stages: tests (pytest -m cuda), parity (NCCL parity suite, 2 GPUs), kernels
-# (bench_kernels.py), train (bench_train.py, 2 GPUs), example (train_gpt.py, 2 GPUs).
+# (bench_kernels.py), train (bench_train.py, 2 GPUs), ckpt (bench_checkpoint.py, 2 GPUs),
+# example (train_gpt.py, 2 GPUs).
 #   bash launch_scripts/device_run.sh tests parity kernels
 set -uo pipefail
 OUT=${OUT:-/tmp/shardopt-out}
@@ -33,6 +34,9 @@ for s in "$@"; do
              > "$OUT/bench_kernels.log" 2>&1; tail -45 "$OUT/bench_kernels.log" ;;
     train) timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
              --out "$OUT/bench_train.json" > "$OUT/bench_train.log" 2>&1; tail -40 "$OUT/bench_train.log" ;;
+    ckpt) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_checkpoint.py \
+             --dir /tmp/shardopt-ckpt --out "$OUT/bench_checkpoint.json" > "$OUT/bench_checkpoint.log" 2>&1;
+          grep -E "rank=|Error" "$OUT/bench_checkpoint.log" | tail -6 ;;
     example) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train_gpt.py \
              --out-dir "$OUT/example" --no-progress > "$OUT/example.log" 2>&1; tail -8 "$OUT/example.log" ;;
     *) echo "unknown stage $s" ;;
