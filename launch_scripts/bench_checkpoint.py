@@ -59,8 +59,13 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    cfg = ModelConfig(layers=args.layers, d_model=args.d_model, heads=max(1, args.d_model // 128),
-                      vocab=args.vocab, seq=args.seq)
+    cfg = ModelConfig(
+        layers=args.layers,
+        d_model=args.d_model,
+        heads=max(1, args.d_model // 128),
+        vocab=args.vocab,
+        seq=args.seq,
+    )
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     opt = shardopt.DistributedFusedAdam(model.parameters(), lr=1e-4)
@@ -94,20 +99,30 @@ def main() -> None:
     load_s, load_peak = timed(lambda: checkpoint.load(args.dir, opt, model))
     load_rss = rss_gib()
     row = {
-        "rank": rank, "world": world, "params": sum(p.numel() for p in model.parameters()),
-        "checkpoint_gb": total / 1e9, "rank_file_gb": mine / 1e9,
-        "save_s": save_s, "save_gbs": total / 1e9 / save_s,
-        "load_s": load_s, "load_gbs": total / 1e9 / load_s,
-        "device_gib_before": base_dev, "save_peak_device_gib": save_peak,
-        "load_peak_device_gib": load_peak, "peak_rss_gib_after_save": save_rss,
+        "rank": rank,
+        "world": world,
+        "params": sum(p.numel() for p in model.parameters()),
+        "checkpoint_gb": total / 1e9,
+        "rank_file_gb": mine / 1e9,
+        "save_s": save_s,
+        "save_gbs": total / 1e9 / save_s,
+        "load_s": load_s,
+        "load_gbs": total / 1e9 / load_s,
+        "device_gib_before": base_dev,
+        "save_peak_device_gib": save_peak,
+        "load_peak_device_gib": load_peak,
+        "peak_rss_gib_after_save": save_rss,
         "peak_rss_gib_after_load": load_rss,
     }
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
         for r in rows:
-            print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in r.items()))
+            print(
+                " ".join(
+                    f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                )
+            )
         if args.out:
             args.out.write_text(json.dumps(rows, indent=1))
     dist.destroy_process_group()

@@ -5,10 +5,10 @@ One list of sources and flags serves both routes: ``setup.py`` (ahead of time, `
 (cached by torch.utils.cpp_extension under ``$SHARDOPT_BUILD_DIR`` or ``~/.cache/shardopt``, rebuilt
 when a source changes).
 
-CUDA kernels are compiled when torch has CUDA and nvcc is found (``SHARDOPT_BUILD_CUDA=0`` turns them
-off, ``=1`` insists); ``TORCH_CUDA_ARCH_LIST`` picks the architectures. CPU kernels use
-``-march=native`` unless ``SHARDOPT_CPU_MARCH`` names another target (``SHARDOPT_CPU_MARCH=""`` for a
-portable build).
+CUDA kernels are compiled when torch has CUDA and nvcc is found (``SHARDOPT_BUILD_CUDA=0`` turns
+them off, ``=1`` insists); ``TORCH_CUDA_ARCH_LIST`` picks the architectures. CPU kernels use
+``-march=native`` unless ``SHARDOPT_CPU_MARCH`` names another target (``SHARDOPT_CPU_MARCH=""``
+for a portable build).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ CUDA_SOURCES = [
 
 
 def want_cuda() -> bool:
-    """Whether CUDA kernels will be compiled: torch has CUDA and nvcc is found (env can override)."""
+    """Whether CUDA kernels will be compiled: torch has CUDA and nvcc is found (env overrides)."""
     import torch
     from torch.utils.cpp_extension import CUDA_HOME
 

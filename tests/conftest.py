@@ -112,7 +112,10 @@ def assert_close_to(
     if got.shape == want.shape and bool(((got - want).abs() <= atol + rtol * want.abs()).all()):
         return  # the fast path; assert_close below explains a failure (and checks nan/inf)
     torch.testing.assert_close(
-        got, want, rtol=rtol, atol=atol,
+        got,
+        want,
+        rtol=rtol,
+        atol=atol,
         msg=lambda m: f"{what}: {m}",
     )
 
@@ -224,7 +227,7 @@ def run_vs_reference(
     """
     run = Parity(fused_cls, ref_cls, shapes, dtype, device, **kw)
     for t in range(steps):
-        run.step(run.grads((lambda i: skip(t, i)) if skip else (lambda i: False)))
+        run.step(run.grads((lambda i, t=t: skip(t, i)) if skip else (lambda i: False)))
         run.check(master=master, state_keys=state_keys)
     run.assert_moved()
     return run
@@ -236,7 +239,7 @@ def init_scaler(scaler: torch.amp.GradScaler, device: torch.device) -> None:
 
 
 def scaled_step(scaler, opt, params: list, grads: list) -> None:
-    """Hands ``grads`` to ``opt`` loss-scaled by ``scaler`` (what backward on a scaled loss gives)."""
+    """Hands ``grads`` to ``opt`` loss-scaled by ``scaler`` (as backward on a scaled loss would)."""
     scale = scaler.get_scale()
     for p, g in zip(params, grads, strict=True):
         p.grad = None if g is None else (g.float() * scale).to(p.dtype)

@@ -31,7 +31,13 @@ OPTIONS = [
 def test_options_match_reference(options, dtype, device):
     skip_unsupported(dtype, device)
     run_vs_reference(
-        FusedAdagrad, reference.Adagrad, SMALL_SHAPES, dtype, device, lr=2e-2, state_keys=STATE,
+        FusedAdagrad,
+        reference.Adagrad,
+        SMALL_SHAPES,
+        dtype,
+        device,
+        lr=2e-2,
+        state_keys=STATE,
         **options,
     )
 
@@ -40,15 +46,28 @@ def test_options_match_reference(options, dtype, device):
 def test_sizes_match_reference(size, dtype, device):
     skip_unsupported(dtype, device)
     run_vs_reference(
-        FusedAdagrad, reference.Adagrad, shapes_for(size, device), dtype, device,
-        steps=2 if size == "large" else 3, lr=5e-2, weight_decay=0.01, state_keys=STATE,
+        FusedAdagrad,
+        reference.Adagrad,
+        shapes_for(size, device),
+        dtype,
+        device,
+        steps=2 if size == "large" else 3,
+        lr=5e-2,
+        weight_decay=0.01,
+        state_keys=STATE,
     )
 
 
 def test_params_without_grads_are_skipped(device):
     run = run_vs_reference(
-        FusedAdagrad, reference.Adagrad, SMALL_SHAPES, torch.float32, device, weight_decay=0.1,
-        state_keys=STATE, skip=lambda t, i: i == 0 or (i == 3 and t == 0),
+        FusedAdagrad,
+        reference.Adagrad,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        weight_decay=0.1,
+        state_keys=STATE,
+        skip=lambda t, i: i == 0 or (i == 3 and t == 0),
     )
     assert run.opt.state.get(run.params[0], {}) == {}
     assert torch.equal(run.params[0], run.start[0])

@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 from conftest import (
-    SCALER_CASES,
     DTYPES,
     LOW_DTYPES,
+    SCALER_CASES,
     SIZE_CASES,
     SMALL_SHAPES,
     Parity,
@@ -21,7 +21,6 @@ from conftest import (
 )
 
 from shardopt import FusedAdam, reference
-
 
 STATE = ("exp_avg", "exp_avg_sq")
 
@@ -40,7 +39,13 @@ OPTIONS = [
 def test_options_match_reference(options, dtype, device):
     skip_unsupported(dtype, device)
     run_vs_reference(
-        FusedAdam, reference.Adam, SMALL_SHAPES, dtype, device, lr=1e-2, state_keys=STATE,
+        FusedAdam,
+        reference.Adam,
+        SMALL_SHAPES,
+        dtype,
+        device,
+        lr=1e-2,
+        state_keys=STATE,
         **options,
     )
 
@@ -49,9 +54,15 @@ def test_options_match_reference(options, dtype, device):
 def test_sizes_match_reference(size, dtype, device):
     skip_unsupported(dtype, device)
     run_vs_reference(
-        FusedAdam, reference.Adam, shapes_for(size, device), dtype, device,
-        steps=2 if size == "large" else 3, lr=1e-2,
-        weight_decay=0.01, state_keys=STATE,
+        FusedAdam,
+        reference.Adam,
+        shapes_for(size, device),
+        dtype,
+        device,
+        steps=2 if size == "large" else 3,
+        lr=1e-2,
+        weight_decay=0.01,
+        state_keys=STATE,
     )
 
 
@@ -59,8 +70,17 @@ def test_sizes_match_reference(size, dtype, device):
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_master_weights_track_reference_in_fp32(adam_w_mode, dtype, device):
     run = run_vs_reference(
-        FusedAdam, reference.Adam, SMALL_SHAPES, dtype, device, lr=1e-2, weight_decay=0.1,
-        adam_w_mode=adam_w_mode, master_weights=True, master=True, state_keys=STATE,
+        FusedAdam,
+        reference.Adam,
+        SMALL_SHAPES,
+        dtype,
+        device,
+        lr=1e-2,
+        weight_decay=0.1,
+        adam_w_mode=adam_w_mode,
+        master_weights=True,
+        master=True,
+        state_keys=STATE,
     )
     for p in run.params:
         # the low-precision param is the master rounded in the same pass
@@ -80,8 +100,14 @@ def test_master_weights_group_mixing_fp16_and_fp32_is_an_error():
 def test_capturable_keeps_step_as_tensor_and_matches_reference(lr_as_tensor, device):
     lr = torch.tensor(1e-2, device=device) if lr_as_tensor else 1e-2
     run = Parity(
-        FusedAdam, reference.Adam, SMALL_SHAPES, torch.float32, device, lr=1e-2,
-        weight_decay=0.1, capturable=True,
+        FusedAdam,
+        reference.Adam,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        lr=1e-2,
+        weight_decay=0.1,
+        capturable=True,
     )
     run.opt.param_groups[0]["lr"] = lr
     for t in range(4):
@@ -93,8 +119,9 @@ def test_capturable_keeps_step_as_tensor_and_matches_reference(lr_as_tensor, dev
 
 def test_capturable_with_tensor_lr_follows_in_place_changes(device):
     lr = torch.tensor(1e-2, device=device)
-    run = Parity(FusedAdam, reference.Adam, SMALL_SHAPES, torch.float32, device, lr=lr,
-                 capturable=True)
+    run = Parity(
+        FusedAdam, reference.Adam, SMALL_SHAPES, torch.float32, device, lr=lr, capturable=True
+    )
     run.ref.param_groups[0]["lr"] = 1e-2
     run.step()
     lr.fill_(3e-2)
@@ -109,15 +136,22 @@ def test_capturable_grad_scaler_skips_inf_step_and_resumes(dtype, device_name):
     """GradScaler hands scale and found_inf to the kernel; an inf skips everything on the device."""
     master = dtype != torch.float32
     run = Parity(
-        FusedAdam, reference.Adam, SMALL_SHAPES, dtype, device, lr=1e-2, weight_decay=0.1,
-        capturable=True, master_weights=master,
+        FusedAdam,
+        reference.Adam,
+        SMALL_SHAPES,
+        dtype,
+        device,
+        lr=1e-2,
+        weight_decay=0.1,
+        capturable=True,
+        master_weights=master,
     )
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     init_scaler(scaler, device)
 
     grads = run.grads()
     scaled_step(scaler, run.opt, run.params, grads)
-    run.ref.step([g.double() .cpu() for g in grads])
+    run.ref.step([g.double().cpu() for g in grads])
     run.check(master=master, state_keys=STATE)
 
     before = [p.clone() for p in run.params]
@@ -158,8 +192,15 @@ def test_non_capturable_grad_scaler_unscales_and_skips(device):
 def test_params_without_grads_are_skipped(device):
     # param 1 never has a grad; param 2 only from the third step on
     run = run_vs_reference(
-        FusedAdam, reference.Adam, SMALL_SHAPES, torch.float32, device, lr=1e-2,
-        weight_decay=0.1, state_keys=STATE, skip=lambda t, i: i == 1 or (i == 2 and t < 2),
+        FusedAdam,
+        reference.Adam,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        lr=1e-2,
+        weight_decay=0.1,
+        state_keys=STATE,
+        skip=lambda t, i: i == 1 or (i == 2 and t < 2),
     )
     assert run.opt.state.get(run.params[1], {}) == {}
     assert torch.equal(run.params[1], run.start[1])
@@ -177,10 +218,18 @@ def test_step_without_any_grad_is_a_noop(device):
 
 def test_param_groups_have_their_own_hyperparameters_and_steps(device):
     run_vs_reference(
-        FusedAdam, reference.Adam, [SMALL_SHAPES[:2], SMALL_SHAPES[2:]], torch.float32, device,
-        group_options=[{"lr": 2e-2, "weight_decay": 0.1}, {"adam_w_mode": False, "betas": (0.5, 0.9)}],
+        FusedAdam,
+        reference.Adam,
+        [SMALL_SHAPES[:2], SMALL_SHAPES[2:]],
+        torch.float32,
+        device,
+        group_options=[
+            {"lr": 2e-2, "weight_decay": 0.1},
+            {"adam_w_mode": False, "betas": (0.5, 0.9)},
+        ],
         skip=lambda t, i: i >= 2 and t == 0,  # group 2 starts one step later
-        lr=1e-2, state_keys=STATE,
+        lr=1e-2,
+        state_keys=STATE,
     )
 
 
@@ -277,8 +326,12 @@ def test_torch_adamw_state_dict_loads_into_fused_adam(device):
     again = torch.optim.AdamW([p.clone() for p in ours], **hp)
     again.load_state_dict(copy.deepcopy(opt.state_dict()))
     for k in STATE:
-        torch.testing.assert_close(again.state[again.param_groups[0]["params"][0]][k],
-                                   opt.state[ours[0]][k], rtol=0, atol=0)
+        torch.testing.assert_close(
+            again.state[again.param_groups[0]["params"][0]][k],
+            opt.state[ours[0]][k],
+            rtol=0,
+            atol=0,
+        )
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
@@ -311,8 +364,14 @@ def test_low_precision_state_keeps_fp32_through_state_dict(dtype, master_weights
 @pytest.mark.parametrize(
     "make_scheduler, lr_at",
     [
-        (lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.1), lambda t: 0.1 ** (t // 2)),
-        (lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1.0 / (1 + t)), lambda t: 1.0 / (1 + t)),
+        (
+            lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.1),
+            lambda t: 0.1 ** (t // 2),
+        ),
+        (
+            lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1.0 / (1 + t)),
+            lambda t: 1.0 / (1 + t),
+        ),
     ],
     ids=["StepLR", "LambdaLR"],
 )

@@ -3,7 +3,6 @@ import, bad input with clear errors, and a rank SIGKILLed in the middle of a sav
 
 from __future__ import annotations
 
-import copy
 import datetime
 import os
 import shutil
@@ -17,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+from dist_harness import run_cases
 
 import shardopt
-from dist_harness import run_cases
 from shardopt import checkpoint
 from shardopt.checkpoint import CheckpointError
 
@@ -93,7 +92,9 @@ def _resume(rank, world, saved_world):
             _step(model, opt, s, rank, world)
         expected = torch.load(_root() / f"{name}-w{saved_world}-final.pt", weights_only=True)
         for k, v in model.state_dict().items():
-            torch.testing.assert_close(v, expected[k], **TOL, msg=lambda m, k=k: f"{name} {k}: {m}")
+            torch.testing.assert_close(
+                v, expected[k], **TOL, msg=lambda m, k=k, n=name: f"{n} {k}: {m}"
+            )
 
 
 def resume_from_w2(rank, world):
@@ -235,8 +236,9 @@ def test_cli_inspect_and_consolidate(root, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "DistributedFusedLAMB at world size 3" in out.stdout and "integrity: OK" in out.stdout
     dst = tmp_path / "adam.pt"
-    out = subprocess.run(run + ["consolidate", str(root / "Adam-w2"), str(dst)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        run + ["consolidate", str(root / "Adam-w2"), str(dst)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     sd = torch.load(dst, weights_only=True)
     model = _model()
@@ -257,8 +259,9 @@ def test_cli_inspect_and_consolidate(root, tmp_path):
 def _crash_worker(rank, world, store_path, root, kill):
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
     os.environ[ROOT] = root
     model = _model()
     opt = _opt("Adam", model, 64 * 4 / 2**20)
@@ -293,7 +296,9 @@ def _spawn(root: str, kill: bool) -> list[int | None]:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_crash_worker, args=(r, 2, store, root, kill)) for r in range(2)]
+        procs = [
+            ctx.Process(target=_crash_worker, args=(r, 2, store, root, kill)) for r in range(2)
+        ]
         for p in procs:
             p.start()
         procs[1].join(120)
@@ -334,8 +339,9 @@ def _dcp_run(rank, world, save):
         if save:
             for s in range(2):
                 _step(model, opt, s, rank, world)
-            dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()},
-                     checkpoint_id=path)
+            dcp.save(
+                {"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path
+            )
             for s in range(2, 4):
                 _step(model, opt, s, rank, world)
             if rank == 0:

@@ -11,7 +11,6 @@ is fenced as ```text or ```bash in the docs and is not executed here.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 from pathlib import Path
@@ -64,8 +63,9 @@ def torchrun_env(monkeypatch, tmp_path):
     torch.set_num_threads(threads)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        pytest.fail("the example left a process group initialised: end it with "
-                    "dist.destroy_process_group()")
+        pytest.fail(
+            "the example left a process group initialised: end it with dist.destroy_process_group()"
+        )
 
 
 def test_docs_have_python_examples():

@@ -8,7 +8,7 @@ from conftest import DTYPES, make_tensors, skip_unsupported
 
 from shardopt import _ops
 
-# fp32 accumulation over 16384-element chunks (typical error sqrt(n) * 6e-8); fp64 accumulates in fp64
+# fp32 accumulation over 16384-element chunks (typical error sqrt(n) * 6e-8); fp64 in fp64
 NORM_TOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float64: 1e-13}
 
 
@@ -40,8 +40,9 @@ def test_norm_per_tensor_and_total_match_fp64(dtype, device):
     want = torch.stack([torch.linalg.vector_norm(t.double().cpu()) for t in tensors])
     rtol = NORM_TOL[dtype]
     torch.testing.assert_close(per.sqrt().double().cpu(), want, rtol=rtol, atol=0)
-    torch.testing.assert_close(total.sqrt().double().cpu(), torch.linalg.vector_norm(want),
-                               rtol=rtol, atol=0)
+    torch.testing.assert_close(
+        total.sqrt().double().cpu(), torch.linalg.vector_norm(want), rtol=rtol, atol=0
+    )
     assert per[4].item() == 0.0  # the empty tensor
 
 
@@ -91,8 +92,13 @@ def test_norm_of_mixed_dtypes_is_fp32_and_correct(device):
 
 @pytest.mark.parametrize(
     "src_dtype, dst_dtype",
-    [(torch.float32, torch.float32), (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
-     (torch.float32, torch.float16), (torch.float64, torch.float64)],
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.float64, torch.float64),
+    ],
 )
 def test_scale_multiplies_and_casts(src_dtype, dst_dtype, device):
     skip_unsupported(src_dtype, device)

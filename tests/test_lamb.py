@@ -23,6 +23,7 @@ def _tolerance(dtype):
     """fp64 runs with clipping compare at fp32 tolerance: see test_fp64_clipping_is_fp64_exact."""
     return dict(compare_as=torch.float32) if dtype == torch.float64 else {}
 
+
 OPTIONS = [
     pytest.param(dict(), id="defaults"),
     pytest.param(dict(use_nvlamb=True, weight_decay=0.0), id="nvlamb-no-wd"),
@@ -42,8 +43,15 @@ OPTIONS = [
 def test_options_match_reference(options, dtype, device):
     skip_unsupported(dtype, device)
     run_vs_reference(
-        FusedLAMB, reference.LAMB, SMALL_SHAPES, dtype, device, lr=1e-2, state_keys=STATE,
-        **_tolerance(dtype), **options,
+        FusedLAMB,
+        reference.LAMB,
+        SMALL_SHAPES,
+        dtype,
+        device,
+        lr=1e-2,
+        state_keys=STATE,
+        **_tolerance(dtype),
+        **options,
     )
 
 
@@ -70,8 +78,15 @@ def test_clipping_is_really_active_and_changes_the_update(device):
 @pytest.mark.parametrize("max_grad_norm", [1e6, 0.0])
 def test_fp64_without_clipping_is_fp64_exact(max_grad_norm):
     run_vs_reference(
-        FusedLAMB, reference.LAMB, SMALL_SHAPES, torch.float64, torch.device("cpu"),
-        lr=1e-2, max_grad_norm=max_grad_norm, weight_decay=0.1, state_keys=STATE,
+        FusedLAMB,
+        reference.LAMB,
+        SMALL_SHAPES,
+        torch.float64,
+        torch.device("cpu"),
+        lr=1e-2,
+        max_grad_norm=max_grad_norm,
+        weight_decay=0.1,
+        state_keys=STATE,
     )
 
 
@@ -96,8 +111,17 @@ def test_zero_norm_param_falls_back_to_lr(options, device):
     params = make_params(SMALL_SHAPES, torch.float32, device)
     params[1].zero_()
     run = run_vs_reference(
-        FusedLAMB, reference.LAMB, SMALL_SHAPES, torch.float32, device, steps=1, params=params,
-        lr=1e-2, max_grad_norm=0.0, state_keys=STATE, **options,
+        FusedLAMB,
+        reference.LAMB,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        steps=1,
+        params=params,
+        lr=1e-2,
+        max_grad_norm=0.0,
+        state_keys=STATE,
+        **options,
     )
     # ratio = lr for the zero tensor: its first update is lr * u with u = g/(|g|+eps) ~ sign(g)
     g = run.params[1].grad.double()
@@ -107,8 +131,14 @@ def test_zero_norm_param_falls_back_to_lr(options, device):
 
 def test_fp64_clipping_is_fp64_exact():
     run = run_vs_reference(
-        FusedLAMB, reference.LAMB, SMALL_SHAPES, torch.float64, torch.device("cpu"), steps=1,
-        lr=1e-2, max_grad_norm=0.1,
+        FusedLAMB,
+        reference.LAMB,
+        SMALL_SHAPES,
+        torch.float64,
+        torch.device("cpu"),
+        steps=1,
+        lr=1e-2,
+        max_grad_norm=0.1,
     )
     for p, r in zip(run.params, run.ref.params()):
         torch.testing.assert_close(p, r, rtol=1e-13, atol=1e-15)
@@ -117,9 +147,18 @@ def test_fp64_clipping_is_fp64_exact():
 def test_global_norm_spans_all_groups(device):
     """Clipping uses one norm over the grads of every group (max_grad_norm from the defaults)."""
     run_vs_reference(
-        FusedLAMB, reference.LAMB, [SMALL_SHAPES[:2], SMALL_SHAPES[2:]], torch.float32, device,
-        group_options=[{"weight_decay": 0.0, "lr": 2e-2}, {"weight_decay": 0.1, "max_grad_norm": 1e9}],
-        lr=1e-2, max_grad_norm=0.5, state_keys=STATE,
+        FusedLAMB,
+        reference.LAMB,
+        [SMALL_SHAPES[:2], SMALL_SHAPES[2:]],
+        torch.float32,
+        device,
+        group_options=[
+            {"weight_decay": 0.0, "lr": 2e-2},
+            {"weight_decay": 0.1, "max_grad_norm": 1e9},
+        ],
+        lr=1e-2,
+        max_grad_norm=0.5,
+        state_keys=STATE,
         skip=lambda t, i: i == 0 and t == 1,
     )
 
@@ -128,23 +167,43 @@ def test_global_norm_spans_all_groups(device):
 def test_sizes_match_reference(size, dtype, device):
     skip_unsupported(dtype, device)
     run_vs_reference(
-        FusedLAMB, reference.LAMB, shapes_for(size, device), dtype, device,
-        steps=2 if size == "large" else 3, lr=1e-2, state_keys=STATE, **_tolerance(dtype),
+        FusedLAMB,
+        reference.LAMB,
+        shapes_for(size, device),
+        dtype,
+        device,
+        steps=2 if size == "large" else 3,
+        lr=1e-2,
+        state_keys=STATE,
+        **_tolerance(dtype),
     )
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 def test_master_weights_track_reference_in_fp32(dtype, device):
     run_vs_reference(
-        FusedLAMB, reference.LAMB, SMALL_SHAPES, dtype, device, lr=1e-2, master_weights=True,
-        master=True, state_keys=STATE,
+        FusedLAMB,
+        reference.LAMB,
+        SMALL_SHAPES,
+        dtype,
+        device,
+        lr=1e-2,
+        master_weights=True,
+        master=True,
+        state_keys=STATE,
     )
 
 
 def test_params_without_grads_are_skipped(device):
     run = run_vs_reference(
-        FusedLAMB, reference.LAMB, SMALL_SHAPES, torch.float32, device, lr=1e-2,
-        state_keys=STATE, skip=lambda t, i: i == 2 or (i == 0 and t == 0),
+        FusedLAMB,
+        reference.LAMB,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        lr=1e-2,
+        state_keys=STATE,
+        skip=lambda t, i: i == 2 or (i == 0 and t == 0),
     )
     assert run.opt.state.get(run.params[2], {}) == {}
     assert torch.equal(run.params[2], run.start[2])

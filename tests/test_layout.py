@@ -17,7 +17,9 @@ CASES = [
 
 
 def _check(sizes, world, bucket, align):
-    layout = plan_key(list(enumerate(sizes)), world_size=world, bucket_numel=bucket, align_numel=align)
+    layout = plan_key(
+        list(enumerate(sizes)), world_size=world, bucket_numel=bucket, align_numel=align
+    )
     # params laid out in reverse registration order, aligned, not overlapping
     starts = [layout.space_ranges[i].start for i in layout.params]
     assert list(layout.params) == list(reversed(range(len(sizes))))
@@ -49,7 +51,9 @@ def _check(sizes, world, bucket, align):
         assert covered == [1] * n
     # one rank's fragments never overlap in its shard
     for rank in range(world):
-        spans = sorted((f.shard_range.start, f.shard_range.end) for f in layout.rank_fragments(rank))
+        spans = sorted(
+            (f.shard_range.start, f.shard_range.end) for f in layout.rank_fragments(rank)
+        )
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
         assert all(e <= layout.shard_numel for _, e in spans)
     return layout

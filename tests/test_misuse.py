@@ -13,8 +13,14 @@ from shardopt import (
     _ops,
 )
 
-ALL = [FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad, FusedMixedPrecisionLamb,
-       lambda ps, **kw: FusedSGD(ps, lr=0.1, **kw)]
+ALL = [
+    FusedAdam,
+    FusedLAMB,
+    FusedNovoGrad,
+    FusedAdagrad,
+    FusedMixedPrecisionLamb,
+    lambda ps, **kw: FusedSGD(ps, lr=0.1, **kw),
+]
 WITH_AMSGRAD = [FusedAdam, FusedLAMB, FusedNovoGrad, FusedMixedPrecisionLamb]
 
 
@@ -42,9 +48,8 @@ def _mixed_devices(cls):
 def _deprecated(name):
     def build(cls):
         cls(_with_grads(torch.zeros(3))).step(**{name: [torch.zeros(3)]})
+
     return build
-
-
 
 
 def _name(cls):
@@ -54,14 +59,18 @@ def _name(cls):
 CASES = (
     [(f"int-param-{_name(c)}", c, _int_param, TypeError, r"param 1 .*torch\.int64") for c in ALL]
     + [
-        pytest.param(f"sparse-{_name(c)}", c, _sparse_grad, RuntimeError, r"SparseAdam",
-                     marks=[])
+        pytest.param(f"sparse-{_name(c)}", c, _sparse_grad, RuntimeError, r"SparseAdam", marks=[])
         for c in ALL
     ]
     + [(f"mixed-devices-{_name(c)}", c, _mixed_devices, RuntimeError, r"one device") for c in ALL]
     + [
-        (f"amsgrad-{_name(c)}", c, lambda c: c([torch.zeros(3)], amsgrad=True), RuntimeError,
-         r"does not support the AMSGrad variant")
+        (
+            f"amsgrad-{_name(c)}",
+            c,
+            lambda c: c([torch.zeros(3)], amsgrad=True),
+            RuntimeError,
+            r"does not support the AMSGrad variant",
+        )
         for c in WITH_AMSGRAD
     ]
     + [
@@ -70,29 +79,64 @@ CASES = (
         for arg in ("grads", "output_params", "scale", "grad_norms")
     ]
     + [
-        ("nesterov-without-momentum", FusedSGD,
-         lambda c: c([torch.zeros(3)], lr=0.1, nesterov=True), ValueError, r"[Nn]esterov"),
-        ("nesterov-with-dampening", FusedSGD,
-         lambda c: c([torch.zeros(3)], lr=0.1, momentum=0.9, dampening=0.1, nesterov=True),
-         ValueError, r"[Nn]esterov"),
+        (
+            "nesterov-without-momentum",
+            FusedSGD,
+            lambda c: c([torch.zeros(3)], lr=0.1, nesterov=True),
+            ValueError,
+            r"[Nn]esterov",
+        ),
+        (
+            "nesterov-with-dampening",
+            FusedSGD,
+            lambda c: c([torch.zeros(3)], lr=0.1, momentum=0.9, dampening=0.1, nesterov=True),
+            ValueError,
+            r"[Nn]esterov",
+        ),
         ("sgd-missing-lr", FusedSGD, lambda c: c([torch.zeros(3)]), TypeError, r"lr"),
-        ("novograd-norm-type-1", FusedNovoGrad, lambda c: c([torch.zeros(3)], norm_type=1),
-         RuntimeError, r"norm_type"),
-        ("mp-lamb-mixed-group", FusedMixedPrecisionLamb,
-         lambda c: c([torch.zeros(3, dtype=torch.float16), torch.zeros(3)],
-                     reduced_precision_dtype=torch.float16),
-         RuntimeError, r"(?s)one dtype.*float16|float16.*float32"),
-        ("mp-lamb-bad-reduced-dtype", FusedMixedPrecisionLamb,
-         lambda c: c([torch.zeros(3)], reduced_precision_dtype=torch.float32), ValueError,
-         r"reduced_precision_dtype"),
-        ("adam-master-weights-mixed-group", FusedAdam,
-         lambda c: c(_with_grads(torch.zeros(3, dtype=torch.float16), torch.zeros(3)),
-                     master_weights=True).step(),
-         RuntimeError, r"separate groups"),
-        ("load-state-dict-wrong-groups", FusedAdam,
-         lambda c: c([torch.zeros(3)]).load_state_dict(
-             {"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]}),
-         ValueError, r"param groups"),
+        (
+            "novograd-norm-type-1",
+            FusedNovoGrad,
+            lambda c: c([torch.zeros(3)], norm_type=1),
+            RuntimeError,
+            r"norm_type",
+        ),
+        (
+            "mp-lamb-mixed-group",
+            FusedMixedPrecisionLamb,
+            lambda c: c(
+                [torch.zeros(3, dtype=torch.float16), torch.zeros(3)],
+                reduced_precision_dtype=torch.float16,
+            ),
+            RuntimeError,
+            r"(?s)one dtype.*float16|float16.*float32",
+        ),
+        (
+            "mp-lamb-bad-reduced-dtype",
+            FusedMixedPrecisionLamb,
+            lambda c: c([torch.zeros(3)], reduced_precision_dtype=torch.float32),
+            ValueError,
+            r"reduced_precision_dtype",
+        ),
+        (
+            "adam-master-weights-mixed-group",
+            FusedAdam,
+            lambda c: c(
+                _with_grads(torch.zeros(3, dtype=torch.float16), torch.zeros(3)),
+                master_weights=True,
+            ).step(),
+            RuntimeError,
+            r"separate groups",
+        ),
+        (
+            "load-state-dict-wrong-groups",
+            FusedAdam,
+            lambda c: c([torch.zeros(3)]).load_state_dict(
+                {"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]}
+            ),
+            ValueError,
+            r"param groups",
+        ),
     ]
 )
 

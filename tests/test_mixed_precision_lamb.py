@@ -1,4 +1,4 @@
-"""FusedMixedPrecisionLamb: device lr/step, fp32 masters for reduced-precision params, GradScaler."""
+"""FusedMixedPrecisionLamb: device lr/step, fp32 masters of reduced-precision params, GradScaler."""
 
 import pytest
 import torch
@@ -17,14 +17,26 @@ from shardopt import FusedMixedPrecisionLamb, reference
 STATE = ("exp_avg", "exp_avg_sq")
 
 
-
-@pytest.mark.parametrize("options", [dict(), dict(max_grad_norm=0.1), dict(use_nvlamb=True,
-                         weight_decay=0.0), dict(adam_w_mode=False)], ids=["defaults", "clip",
-                         "nvlamb", "l2"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(max_grad_norm=0.1),
+        dict(use_nvlamb=True, weight_decay=0.0),
+        dict(adam_w_mode=False),
+    ],
+    ids=["defaults", "clip", "nvlamb", "l2"],
+)
 def test_fp32_params_match_reference_with_device_lr_and_step(options, device):
     run = run_vs_reference(
-        FusedMixedPrecisionLamb, reference.LAMB, SMALL_SHAPES, torch.float32, device, lr=1e-2,
-        state_keys=STATE, **options,
+        FusedMixedPrecisionLamb,
+        reference.LAMB,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        lr=1e-2,
+        state_keys=STATE,
+        **options,
     )
     group = run.opt.param_groups[0]
     assert torch.is_tensor(group["lr"]) and group["lr"].device == device
@@ -35,8 +47,15 @@ def test_fp32_params_match_reference_with_device_lr_and_step(options, device):
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.1])
 def test_reduced_precision_params_have_fp32_masters(dtype, max_grad_norm, device):
     run = run_vs_reference(
-        FusedMixedPrecisionLamb, reference.LAMB, SMALL_SHAPES, dtype, device, lr=1e-2,
-        reduced_precision_dtype=dtype, max_grad_norm=max_grad_norm, master=True,
+        FusedMixedPrecisionLamb,
+        reference.LAMB,
+        SMALL_SHAPES,
+        dtype,
+        device,
+        lr=1e-2,
+        reduced_precision_dtype=dtype,
+        max_grad_norm=max_grad_norm,
+        master=True,
         state_keys=STATE,
     )
     for p in run.params:
@@ -44,8 +63,15 @@ def test_reduced_precision_params_have_fp32_masters(dtype, max_grad_norm, device
 
 
 def test_initial_step_argument_sets_the_bias_correction(device):
-    run = Parity(FusedMixedPrecisionLamb, reference.LAMB, SMALL_SHAPES, torch.float32, device,
-                 lr=1e-2, step=10)
+    run = Parity(
+        FusedMixedPrecisionLamb,
+        reference.LAMB,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        lr=1e-2,
+        step=10,
+    )
     run.ref.param_groups[0]["step"] = 10
     for _ in range(2):
         run.step()
@@ -53,11 +79,21 @@ def test_initial_step_argument_sets_the_bias_correction(device):
     assert run.opt.param_groups[0]["step"].item() == 12
 
 
-@pytest.mark.parametrize("dtype,device_name", [c for c in SCALER_CASES if c.values[0] != torch.float32])
+@pytest.mark.parametrize(
+    "dtype,device_name", [c for c in SCALER_CASES if c.values[0] != torch.float32]
+)
 def test_grad_scaler_inf_skips_the_step_without_advancing(dtype, device_name):
     device = torch.device(device_name, 0 if device_name == "cuda" else None)
-    run = Parity(FusedMixedPrecisionLamb, reference.LAMB, SMALL_SHAPES, dtype, device, lr=1e-2,
-                 reduced_precision_dtype=dtype, max_grad_norm=0.5)
+    run = Parity(
+        FusedMixedPrecisionLamb,
+        reference.LAMB,
+        SMALL_SHAPES,
+        dtype,
+        device,
+        lr=1e-2,
+        reduced_precision_dtype=dtype,
+        max_grad_norm=0.5,
+    )
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     init_scaler(scaler, device)
     grads = run.grads()

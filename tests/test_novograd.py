@@ -18,9 +18,6 @@ from conftest import (
 from shardopt import FusedNovoGrad, reference
 
 
-
-
-
 def _fp64_tolerance(dtype):
     """SPEC keeps the second moments in one fp32 vector, so fp64 runs are only fp32-exact."""
     return dict(compare_as=torch.float32) if dtype == torch.float64 else {}
@@ -33,7 +30,9 @@ def _check_second_moment(run):
         v = group["exp_avg_sq"]
         assert v.dtype == torch.float32 and v.shape == (len(group["params"]),)
         for k in range(len(group["params"])):
-            want = run.ref.state.get(index, {}).get("exp_avg_sq", torch.zeros((), dtype=torch.float64))
+            want = run.ref.state.get(index, {}).get(
+                "exp_avg_sq", torch.zeros((), dtype=torch.float64)
+            )
             torch.testing.assert_close(v[k].double().cpu(), want, rtol=1e-5, atol=1e-7)
             index += 1
 
@@ -47,10 +46,18 @@ def _check_second_moment(run):
 def test_options_match_reference(norm_type, init_zero, reg_inside_moment, dtype, device):
     skip_unsupported(dtype, device)
     run = run_vs_reference(
-        FusedNovoGrad, reference.NovoGrad, SMALL_SHAPES, dtype, device, lr=0.01 if init_zero else 0.2,
+        FusedNovoGrad,
+        reference.NovoGrad,
+        SMALL_SHAPES,
+        dtype,
+        device,
+        lr=0.01 if init_zero else 0.2,
         **_fp64_tolerance(dtype),
-        weight_decay=0.1, norm_type=norm_type, init_zero=init_zero,
-        reg_inside_moment=reg_inside_moment, state_keys=("exp_avg",),
+        weight_decay=0.1,
+        norm_type=norm_type,
+        init_zero=init_zero,
+        reg_inside_moment=reg_inside_moment,
+        state_keys=("exp_avg",),
     )
     _check_second_moment(run)
 
@@ -62,8 +69,15 @@ def test_options_match_reference(norm_type, init_zero, reg_inside_moment, dtype,
 )
 def test_other_options_match_reference(options, device):
     run_vs_reference(
-        FusedNovoGrad, reference.NovoGrad, SMALL_SHAPES, torch.float32, device, lr=1e-2,
-        weight_decay=0.05, state_keys=("exp_avg",), **options,
+        FusedNovoGrad,
+        reference.NovoGrad,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        lr=1e-2,
+        weight_decay=0.05,
+        state_keys=("exp_avg",),
+        **options,
     )
 
 
@@ -71,15 +85,28 @@ def test_other_options_match_reference(options, device):
 def test_sizes_match_reference(size, dtype, device):
     skip_unsupported(dtype, device)
     run_vs_reference(
-        FusedNovoGrad, reference.NovoGrad, shapes_for(size, device), dtype, device,
-        steps=2 if size == "large" else 3, lr=2.0, weight_decay=0.01, **_fp64_tolerance(dtype),
+        FusedNovoGrad,
+        reference.NovoGrad,
+        shapes_for(size, device),
+        dtype,
+        device,
+        steps=2 if size == "large" else 3,
+        lr=2.0,
+        weight_decay=0.01,
+        **_fp64_tolerance(dtype),
     )
 
 
 def test_params_without_grads_are_skipped(device):
     run = run_vs_reference(
-        FusedNovoGrad, reference.NovoGrad, SMALL_SHAPES, torch.float32, device, lr=1e-2,
-        state_keys=("exp_avg",), skip=lambda t, i: i == 1 or (i == 3 and t < 2),
+        FusedNovoGrad,
+        reference.NovoGrad,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        lr=1e-2,
+        state_keys=("exp_avg",),
+        skip=lambda t, i: i == 1 or (i == 3 and t < 2),
     )
     _check_second_moment(run)
     assert run.opt.state.get(run.params[1], {}) == {}
@@ -96,8 +123,15 @@ def test_step_without_any_grad_is_a_noop(device):
 
 
 def test_state_dict_restores_the_second_moment_vector(device):
-    run = Parity(FusedNovoGrad, reference.NovoGrad, SMALL_SHAPES, torch.float32, device, lr=1e-2,
-                 weight_decay=0.1)
+    run = Parity(
+        FusedNovoGrad,
+        reference.NovoGrad,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        lr=1e-2,
+        weight_decay=0.1,
+    )
     for _ in range(2):
         run.step()
     sd = copy.deepcopy(run.opt.state_dict())

@@ -4,9 +4,9 @@ import pytest
 import torch
 from conftest import (
     DTYPES,
-    Parity,
     SIZE_CASES,
     SMALL_SHAPES,
+    Parity,
     assert_close_to,
     make_tensors,
     run_vs_reference,
@@ -46,8 +46,15 @@ def test_options_match_reference(options, dtype, device):
 def test_sizes_match_reference(size, dtype, device):
     skip_unsupported(dtype, device)
     run_vs_reference(
-        FusedSGD, reference.SGD, shapes_for(size, device), dtype, device,
-        steps=2 if size == "large" else 3, lr=0.02, momentum=0.9, weight_decay=0.01,
+        FusedSGD,
+        reference.SGD,
+        shapes_for(size, device),
+        dtype,
+        device,
+        steps=2 if size == "large" else 3,
+        lr=0.02,
+        momentum=0.9,
+        weight_decay=0.01,
         state_keys=STATE,
     )
 
@@ -56,8 +63,15 @@ def test_sizes_match_reference(size, dtype, device):
 def test_params_without_grads_are_skipped_and_late_buffers_start_from_the_grad(momentum, device):
     # param 1 never has a grad; param 2 gets its first grad (and buffer) on the third step
     run = run_vs_reference(
-        FusedSGD, reference.SGD, SMALL_SHAPES, torch.float32, device, lr=0.05,
-        momentum=momentum, nesterov=momentum > 0, state_keys=STATE,
+        FusedSGD,
+        reference.SGD,
+        SMALL_SHAPES,
+        torch.float32,
+        device,
+        lr=0.05,
+        momentum=momentum,
+        nesterov=momentum > 0,
+        state_keys=STATE,
         skip=lambda t, i: i == 1 or (i == 2 and t < 2),
     )
     assert "momentum_buffer" not in run.opt.state.get(run.params[1], {})
@@ -98,8 +112,12 @@ def test_matches_torch_sgd(hp, device):
             assert_close_to(a, b, torch.float32, "param")
     if hp.get("momentum"):
         for a, b in zip(params, theirs):
-            assert_close_to(opt.state[a]["momentum_buffer"], torch_opt.state[b]["momentum_buffer"],
-                            torch.float32, "momentum_buffer")
+            assert_close_to(
+                opt.state[a]["momentum_buffer"],
+                torch_opt.state[b]["momentum_buffer"],
+                torch.float32,
+                "momentum_buffer",
+            )
 
 
 def test_lr_scheduler_changes_the_lr_used(device):

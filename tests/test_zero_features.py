@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from dist_harness import run_cases
 
 import shardopt
-from dist_harness import run_cases
 
 TOL = dict(rtol=1.3e-6, atol=1e-5)
 
@@ -66,8 +66,9 @@ def tied_unused_reused(rank, world):
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
-    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05, weight_decay=0.1,
-                                        bucket_cap_mb=64 * 4 / 2**20)
+    opt = shardopt.DistributedFusedAdam(
+        model.parameters(), lr=0.05, weight_decay=0.1, bucket_cap_mb=64 * 4 / 2**20
+    )
     ref_opt = shardopt.FusedAdam(ref.parameters(), lr=0.05, weight_decay=0.1)
     for step in range(3):
         _loss(model, *_data(step, rank)).backward()
@@ -86,8 +87,9 @@ def matches_ddp_adamw(rank, world):
     base = copy.deepcopy(model)
     ddp = nn.parallel.DistributedDataParallel(base)
     ddp_opt = torch.optim.AdamW(base.parameters(), lr=0.05, weight_decay=0.1)
-    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05, weight_decay=0.1,
-                                        bucket_cap_mb=100 * 4 / 2**20)
+    opt = shardopt.DistributedFusedAdam(
+        model.parameters(), lr=0.05, weight_decay=0.1, bucket_cap_mb=100 * 4 / 2**20
+    )
     for step in range(4):
         batch = _data(step, rank)
         _loss(model, *batch).backward()
@@ -103,8 +105,9 @@ def clip_grad_norm_matches_torch(rank, world):
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
-    opt = shardopt.DistributedFusedSGD(model.parameters(), lr=0.5, momentum=0.9,
-                                       bucket_cap_mb=64 * 4 / 2**20)
+    opt = shardopt.DistributedFusedSGD(
+        model.parameters(), lr=0.5, momentum=0.9, bucket_cap_mb=64 * 4 / 2**20
+    )
     ref_opt = shardopt.FusedSGD(ref.parameters(), lr=0.5, momentum=0.9)
     for step in range(3):
         _loss(model, *_data(step, rank), scale=10.0).backward()
@@ -123,8 +126,7 @@ def grad_scaler_skips_same_steps(rank, world):
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
-    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05,
-                                        bucket_cap_mb=64 * 4 / 2**20)
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05, bucket_cap_mb=64 * 4 / 2**20)
     ref_opt = shardopt.FusedAdam(ref.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     poison = {1: ("inf", world - 1), 3: ("nan", 0)}  # step -> (value, rank that injects it)
@@ -157,8 +159,11 @@ def redundant_group_hsdp(rank, world):
     model = Net()
     ref = copy.deepcopy(model)
     opt = shardopt.DistributedFusedLAMB(
-        model.parameters(), lr=0.05, bucket_cap_mb=64 * 4 / 2**20,
-        process_group=shard_groups[rank // 2], redundant_process_group=replica_groups[rank % 2],
+        model.parameters(),
+        lr=0.05,
+        bucket_cap_mb=64 * 4 / 2**20,
+        process_group=shard_groups[rank // 2],
+        redundant_process_group=replica_groups[rank % 2],
     )
     ref_opt = shardopt.FusedLAMB(ref.parameters(), lr=0.05)
     for step in range(3):
@@ -236,13 +241,17 @@ def memory_matches_formula(rank, world):
         (torch.bfloat16, torch.bfloat16, 2),
     ):
         params = [nn.Parameter(torch.zeros(40_000, dtype=dtype)) for _ in range(3)]
-        opt = shardopt.DistributedFusedAdam(params, grad_sync_dtype=grad_dtype,
-                                            bucket_cap_mb=0.05)
+        opt = shardopt.DistributedFusedAdam(params, grad_sync_dtype=grad_dtype, bucket_cap_mb=0.05)
         n = sum(p.numel() for p in params)
         p_b, g_b = dtype.itemsize, grad_dtype.itemsize
         expected = n * (p_b + g_b + (4 * (1 + states) + g_b) / world)
         total = sum(opt.memory_bytes().values())
-        assert expected * (1 - 1e-9) <= total <= expected * 1.02, (dtype, grad_dtype, total, expected)
+        assert expected * (1 - 1e-9) <= total <= expected * 1.02, (
+            dtype,
+            grad_dtype,
+            total,
+            expected,
+        )
 
 
 def misuse_params_differ(rank, world):
@@ -276,10 +285,10 @@ def overlap_param_sync_waits_in_forward(rank, world):
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
-    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05, overlap_param_sync=True,
-                                        bucket_cap_mb=64 * 4 / 2**20)
-    ref_opt = shardopt.DistributedFusedAdam(ref.parameters(), lr=0.05,
-                                            bucket_cap_mb=64 * 4 / 2**20)
+    opt = shardopt.DistributedFusedAdam(
+        model.parameters(), lr=0.05, overlap_param_sync=True, bucket_cap_mb=64 * 4 / 2**20
+    )
+    ref_opt = shardopt.DistributedFusedAdam(ref.parameters(), lr=0.05, bucket_cap_mb=64 * 4 / 2**20)
     for step in range(3):
         _loss(model, *_data(step, rank)).backward()  # the forward waits for the last gathers
         opt.step()

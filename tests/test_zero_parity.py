@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_cases
 
 import shardopt
-from dist_harness import run_cases
 
 SHAPES = [(5, 7), (13,), (3, 4, 2), (1,), (40,)]
 TINY_BUCKET_MB = 48 * 4 / 2**20  # 48 fp32 elements
@@ -84,7 +84,7 @@ def parity(name, rank, world, *, dtype=torch.float32, steps=3, micro_batches=3, 
         ref_opt.step()
         for i, (p, q) in enumerate(zip(params, ref)):
             torch.testing.assert_close(
-                p.float(), q.float(), **tol, msg=lambda m, i=i: f"param {i} step {step}: {m}"
+                p.float(), q.float(), **tol, msg=lambda m, i=i, s=step: f"param {i} step {s}: {m}"
             )
 
 

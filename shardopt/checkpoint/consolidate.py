@@ -12,8 +12,12 @@ import torch
 from shardopt.checkpoint import format as fmt
 from shardopt.checkpoint.format import CheckpointError
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 
 
 def consolidated_state_dict(path: str | os.PathLike) -> tuple[dict[str, Any], dict | None]:
@@ -97,8 +101,10 @@ def inspect(path: str | os.PathLike) -> str:
         numel += n
         lines.append(f"  param {i:4d} {p['name']:40s} {str(tuple(p['shape'])):20s} {p['dtype']}")
     total = sum(e["bytes"] for e in metadata["files"].values())
-    lines.append(f"  {len(metadata['params'])} params, {numel} elements, {total} bytes in "
-                 f"{len(metadata['files'])} files")
+    lines.append(
+        f"  {len(metadata['params'])} params, {numel} elements, {total} bytes in "
+        f"{len(metadata['files'])} files"
+    )
     problems = []
     for name in metadata["files"]:
         try:

@@ -54,8 +54,9 @@ def sharded_state_dict(optimizer: DistributedOptimizer) -> dict[str, Any]:
         named = dict(optimizer._shard_tensors(key))
         named["master_param"] = buf.master
         device = buf.master.device
-        placement = f"rank:{rank}/{device.type}" + (f":{device.index}" if device.index is not None
-                                                     else "")
+        placement = f"rank:{rank}/{device.type}" + (
+            f":{device.index}" if device.index is not None else ""
+        )
         for i in key.layout.params:
             numel = optimizer.params[i].numel()
             frags = [f for f in buf.fragments if f.param == i]

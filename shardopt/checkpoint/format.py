@@ -91,7 +91,9 @@ def read_metadata(directory: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable metadata: {e}") from e
     if metadata.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a shardopt checkpoint (format {metadata.get('format')!r})")
+        raise CheckpointError(
+            f"{path}: not a shardopt checkpoint (format {metadata.get('format')!r})"
+        )
     if int(metadata.get("version", -1)) > VERSION:
         raise CheckpointError(
             f"{path}: format version {metadata['version']} is newer than this shardopt reads "

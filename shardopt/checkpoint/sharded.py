@@ -46,8 +46,9 @@ def _param_names(optimizer: DistributedOptimizer, model: torch.nn.Module | None)
 def _check_optimizer(optimizer) -> None:
     if not isinstance(optimizer, DistributedOptimizer):
         raise TypeError(
-            "shardopt.checkpoint saves and loads DistributedFused* optimizers; for a single-process "
-            f"optimizer ({type(optimizer).__name__}) use torch.save(optimizer.state_dict())"
+            "shardopt.checkpoint saves and loads DistributedFused* optimizers; for a "
+            f"single-process optimizer ({type(optimizer).__name__}) use "
+            "torch.save(optimizer.state_dict())"
         )
 
 
@@ -109,9 +110,10 @@ def save(
             entry.update({n: t[r.start : r.end].detach().cpu().clone() for n, t in named.items()})
             payload.append(entry)
             fragments.append([index, f.param_range.start, f.param_range.end])
-    writes = optimizer.redundant_process_group is None or comm.rank(
-        optimizer.redundant_process_group
-    ) == 0
+    writes = (
+        optimizer.redundant_process_group is None
+        or comm.rank(optimizer.redundant_process_group) == 0
+    )
     name = fmt.rank_file(rank, world)
     entry = fmt.save_tensors(path / name, {"fragments": payload}) if writes else None
     if os.environ.get(_KILL_ENV) == str(rank):
@@ -218,9 +220,7 @@ def load(
             for f in key.buffers.fragments:
                 mine.setdefault(optimizer.all_index[f.param], []).append(f.param_range)
         for name, frags in metadata["fragments"].items():
-            if any(
-                Range(s, e).intersect(r) for i, s, e in frags for r in mine.get(i, [])
-            ):
+            if any(Range(s, e).intersect(r) for i, s, e in frags for r in mine.get(i, [])):
                 needed.append(fmt.verify_file(path, name, metadata))
         if model is not None and metadata.get("has_model"):
             fmt.verify_file(path, fmt.MODEL, metadata)

@@ -48,8 +48,8 @@ class FusedAdam(FusedOptimizer):
     """Adam and AdamW with fused multi-tensor kernels on CPU and CUDA tensors.
 
     A drop-in replacement for ``apex.optimizers.FusedAdam`` (same arguments and defaults) and, with
-    ``adam_w_mode=False`` / ``True``, for ``torch.optim.Adam`` / ``torch.optim.AdamW``: its state dict
-    uses torch's keys and loads into ``torch.optim.AdamW`` and back.
+    ``adam_w_mode=False`` / ``True``, for ``torch.optim.Adam`` / ``torch.optim.AdamW``: its state
+    dict uses torch's keys and loads into ``torch.optim.AdamW`` and back.
 
     Args:
         params: iterable of params or of param-group dicts.

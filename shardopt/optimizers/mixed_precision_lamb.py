@@ -35,7 +35,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
 
     Example:
         >>> model = torch.nn.Linear(4, 2).to(torch.bfloat16)
-        >>> opt = FusedMixedPrecisionLamb(model.parameters(), reduced_precision_dtype=torch.bfloat16)
+        >>> bf16 = torch.bfloat16
+        >>> opt = FusedMixedPrecisionLamb(model.parameters(), reduced_precision_dtype=bf16)
         >>> model(torch.randn(3, 4, dtype=torch.bfloat16)).sum().backward(); opt.step()
     """
 
@@ -85,8 +86,11 @@ class FusedMixedPrecisionLamb(FusedLAMB):
                     f"{i} has {names}"
                 )
             device = group["params"][0].device if group["params"] else torch.device("cpu")
-            group["lr"] = torch.tensor(float(lr if not torch.is_tensor(group["lr"]) else group["lr"]),
-                                       dtype=torch.float32, device=device)
+            group["lr"] = torch.tensor(
+                float(lr if not torch.is_tensor(group["lr"]) else group["lr"]),
+                dtype=torch.float32,
+                device=device,
+            )
             group["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
 
     def _masters(self, params: list) -> tuple[list, list | None]:

@@ -29,7 +29,12 @@ def grad_norms(norm_type: int, sq_or_max: torch.Tensor) -> torch.Tensor:
 
 
 def blend_second_moment(
-    v: torch.Tensor, n: torch.Tensor, fresh: torch.Tensor, *, beta2: float, norm_type: int,
+    v: torch.Tensor,
+    n: torch.Tensor,
+    fresh: torch.Tensor,
+    *,
+    beta2: float,
+    norm_type: int,
     init_zero: bool,
 ) -> torch.Tensor:
     """New second moments from the old ``v``, grad norms ``n`` and the mask of first updates."""
@@ -159,7 +164,13 @@ class FusedNovoGrad(FusedOptimizer):
         )
         group["exp_avg_sq"].index_copy_(0, pos, v.to(group["exp_avg_sq"].dtype))
         novograd_apply(
-            group, grads, params, exp_avg, None, v, step=self._step_scalar(group),
+            group,
+            grads,
+            params,
+            exp_avg,
+            None,
+            v,
+            step=self._step_scalar(group),
             lr=self._lr_scalar(group),
         )
 

@@ -112,7 +112,9 @@ class FusedSGD(FusedOptimizer):
 
     def _update_group(self, group: dict, params: list, grads: list) -> None:
         if group["momentum"] == 0:
-            sgd_apply(group, grads, params, params, None, first_run=False, lr=self._lr_scalar(group))
+            sgd_apply(
+                group, grads, params, params, None, first_run=False, lr=self._lr_scalar(group)
+            )
             return
         # torch's rule: a param without a buffer starts it from its grad this step.
         fresh = [p for p in params if "momentum_buffer" not in self.state[p]]

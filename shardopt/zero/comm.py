@@ -71,8 +71,10 @@ def all_gather(
     output: torch.Tensor, chunk: torch.Tensor, group: ProcessGroup | None, async_op: bool = True
 ) -> Handle:
     """Gathers every rank's ``chunk`` into ``output``; ``chunk`` may be this rank's slice of it."""
-    if backend(group) != "nccl" and chunk.data_ptr() >= output.data_ptr() and (
-        chunk.data_ptr() < output.data_ptr() + output.numel() * output.element_size()
+    if (
+        backend(group) != "nccl"
+        and chunk.data_ptr() >= output.data_ptr()
+        and (chunk.data_ptr() < output.data_ptr() + output.numel() * output.element_size())
     ):
         chunk = chunk.clone()
     work = _all_gather(output, chunk, group=group, async_op=async_op)

@@ -97,8 +97,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         check_param_dtypes(self.param_groups, name)
         if dtype != torch.float32:
-            raise TypeError(f"{name}: dtype (master/state dtype) must be torch.float32, got {dtype}")
-        for arg, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
+            raise TypeError(
+                f"{name}: dtype (master/state dtype) must be torch.float32, got {dtype}"
+            )
+        for arg, value in (
+            ("grad_sync_dtype", grad_sync_dtype),
+            ("param_sync_dtype", param_sync_dtype),
+        ):
             if value not in (None, torch.float32, torch.float16, torch.bfloat16, torch.float64):
                 raise TypeError(f"{name}: {arg} must be a floating dtype, got {value}")
         if bucket_cap_mb <= 0:
@@ -135,9 +140,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_same_params_everywhere()
         self._broadcast_params()
         self.keys: list[_Key] = self._build_keys(bucket_cap_mb)
-        self._param_key: dict[int, _Key] = {
-            i: key for key in self.keys for i in key.layout.params
-        }
+        self._param_key: dict[int, _Key] = {i: key for key in self.keys for i in key.layout.params}
         self._param_buckets: dict[int, list[int]] = {
             i: [b.index for b in key.layout.buckets if i in b.params]
             for key in self.keys
@@ -189,7 +192,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if a != b
             ]
             if len(desc) != len(other):
-                diffs.insert(0, f"rank {self.rank} has {len(desc)} params, rank {r} has {len(other)}")
+                diffs.insert(
+                    0, f"rank {self.rank} has {len(desc)} params, rank {r} has {len(other)}"
+                )
             raise RuntimeError(
                 f"{type(self).__name__}: params differ between ranks (same model, same order "
                 "required on every rank): " + "; ".join(diffs[:5])
@@ -395,7 +400,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return (self._global_sumsq().sqrt() * self._grad_factor()).reshape(())
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clips the gradient as ``torch.nn.utils.clip_grad_norm_`` would on the full averaged grads.
+        """Clips the grads as ``torch.nn.utils.clip_grad_norm_`` would on the full averaged grads.
 
         The coefficient ``min(1, max_norm / (norm + 1e-6))`` is folded into the kernel's grad scale
         at ``step()`` (no extra pass, no host sync); with a GradScaler the norm is taken on the
@@ -640,7 +645,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for name, shard in named.items():
                     out = torch.empty(bucket.numel, dtype=shard.dtype, device=self.device)
                     comm.all_gather(
-                        out, key.buffers.shard_of_bucket(shard, bucket), self.process_group,
+                        out,
+                        key.buffers.shard_of_bucket(shard, bucket),
+                        self.process_group,
                         async_op=False,
                     ).wait()
                     gathered[name] = out.cpu()
@@ -650,10 +657,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     piece = space.intersect(bucket.space_range)
                     entry = state.setdefault(ids[id(p)], {})
                     for name, full_bucket in gathered.items():
-                        full = entry.setdefault(name, torch.zeros(p.numel(), dtype=full_bucket.dtype))
+                        full = entry.setdefault(
+                            name, torch.zeros(p.numel(), dtype=full_bucket.dtype)
+                        )
                         full[piece.start - space.start : piece.end - space.start].copy_(
-                            full_bucket[piece.start - bucket.space_range.start :
-                                        piece.end - bucket.space_range.start]
+                            full_bucket[
+                                piece.start - bucket.space_range.start : piece.end
+                                - bucket.space_range.start
+                            ]
                         )
         groups = []
         for gi, group in enumerate(self.param_groups):
@@ -697,7 +708,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 entry = state_dict["state"].get(pid)
                 if entry is not None:
                     for key_name, value in entry.items():
-                        if torch.is_tensor(value) and value.dim() > 0 and value.numel() != p.numel():
+                        if (
+                            torch.is_tensor(value)
+                            and value.dim() > 0
+                            and value.numel() != p.numel()
+                        ):
                             raise ValueError(
                                 f"{name}: state '{key_name}' of param {pid} has {value.numel()} "
                                 f"elements, the param has {p.numel()}"

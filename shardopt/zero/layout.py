@@ -4,10 +4,10 @@ Note: buckets and shards
     Trainable params are grouped by key (param group, param dtype). Within a key, params are laid
     out back to back in reverse registration order (about the order their grads arrive), each
     start aligned to ``align_numel`` elements, in one "key space". The key space is cut into
-    buckets of ``bucket_numel`` elements (the last one shorter); every bucket is padded so it divides
-    evenly by ``world_size`` and each rank's chunk stays aligned. Rank r owns chunk r of every
-    bucket. A rank's shard of a key is its chunks, back to back. A param may straddle buckets and
-    chunks; a fragment is one (param, bucket, rank) intersection.
+    buckets of ``bucket_numel`` elements (the last one shorter); every bucket is padded so it
+    divides evenly by ``world_size`` and each rank's chunk stays aligned. Rank r owns chunk r of
+    every bucket. A rank's shard of a key is its chunks, back to back. A param may straddle buckets
+    and chunks; a fragment is one (param, bucket, rank) intersection.
 
 Ranges always name their coordinate system: ``param_range`` (elements of the flattened param),
 ``bucket_range`` (elements of the bucket), ``shard_range`` (elements of a rank's shard of the key),

@@ -65,8 +65,14 @@ class DistributedFusedAdam(DistributedOptimizer):
         **zero_args,
     ) -> None:
         reject_amsgrad(amsgrad, type(self).__name__)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        adam_w_mode=adam_w_mode, weight_decay=weight_decay)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            adam_w_mode=adam_w_mode,
+            weight_decay=weight_decay,
+        )
         super().__init__(params, defaults, **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
@@ -106,8 +112,14 @@ class DistributedFusedSGD(DistributedOptimizer):
         **zero_args,
     ) -> None:
         check_sgd_args(lr, momentum, dampening, weight_decay, nesterov)
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, wd_after_momentum=wd_after_momentum)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            wd_after_momentum=wd_after_momentum,
+        )
         super().__init__(params, defaults, **zero_args)
         self._buffers_started = [False] * len(self.param_groups)
 
@@ -202,10 +214,17 @@ class DistributedFusedLAMB(DistributedOptimizer):
         **zero_args,
     ) -> None:
         reject_amsgrad(amsgrad, type(self).__name__)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay, grad_averaging=grad_averaging,
-                        adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm,
-                        use_nvlamb=use_nvlamb)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            adam_w_mode=adam_w_mode,
+            max_grad_norm=max_grad_norm,
+            use_nvlamb=use_nvlamb,
+        )
         super().__init__(params, defaults, **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
@@ -219,7 +238,8 @@ class DistributedFusedLAMB(DistributedOptimizer):
             if not buf.fragments:
                 continue
             updates = (
-                buf.grad_shard if buf.grad_shard.dtype == torch.float32
+                buf.grad_shard
+                if buf.grad_shard.dtype == torch.float32
                 else torch.empty_like(buf.master)
             )
             masters = buf.per_fragment(buf.master)
@@ -280,10 +300,17 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
     ) -> None:
         reject_amsgrad(amsgrad, type(self).__name__)
         check_norm_type(norm_type)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay, grad_averaging=grad_averaging,
-                        reg_inside_moment=reg_inside_moment, norm_type=norm_type,
-                        init_zero=init_zero)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            reg_inside_moment=reg_inside_moment,
+            norm_type=norm_type,
+            init_zero=init_zero,
+        )
         super().__init__(params, defaults, **zero_args)
         self.second_moment = torch.zeros(len(self.params), dtype=torch.float32, device=self.device)
 
@@ -317,7 +344,11 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             old = self.second_moment.index_select(0, members)
             fresh = (group["step"] == 1).expand_as(norms)
             new = blend_second_moment(
-                old, norms, fresh, beta2=group["betas"][1], norm_type=group["norm_type"],
+                old,
+                norms,
+                fresh,
+                beta2=group["betas"][1],
+                norm_type=group["norm_type"],
                 init_zero=group["init_zero"],
             )
             if scalars.found_inf_t is not None:
