@@ -151,6 +151,31 @@ def grad_scaler_skips_same_steps(rank, world):
     assert int(opt.param_groups[0]["step"].item()) == 3
 
 
+def grad_scaler_unscale_then_clip(rank, world):
+    """scaler.unscale_(opt) before optimizer.clip_grad_norm (the torch AMP pattern) is harmless:
+    grads never alias .grad under a scaler, so nothing is unscaled twice. SGD without active
+    clipping, so a wrongly scaled grad shows in the params."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = shardopt.DistributedFusedSGD(
+        model.parameters(), lr=0.5, momentum=0.9, bucket_cap_mb=64 * 4 / 2**20
+    )
+    ref_opt = shardopt.FusedSGD(ref.parameters(), lr=0.5, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1000)
+    for step in range(3):
+        scaler.scale(_loss(model, *_data(step, rank))).backward()
+        scaler.unscale_(opt)
+        opt.clip_grad_norm(100.0)
+        scaler.step(opt)
+        scaler.update()
+        for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
+            p.grad = g
+        ref_opt.step()
+        _assert_same(model, ref)
+        assert all(p.grad is None for p in model.parameters())
+
+
 def redundant_group_hsdp(rank, world):
     assert world == 4
     shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -303,6 +328,7 @@ CASES = [
     matches_ddp_adamw,
     clip_grad_norm_matches_torch,
     grad_scaler_skips_same_steps,
+    grad_scaler_unscale_then_clip,
     state_dict_round_trip,
     adamw_state_dict_imports,
     memory_matches_formula,

@@ -151,6 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
         self._sync_enabled = True
         self._alias_grads = False
+        self._scaler_seen = False
         self._max_norm: float | None = None
         self._reset_iteration()
         self._param_sync_pending: dict[tuple[int, int], comm.Handle] = {}
@@ -438,7 +439,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._update(scalars)
         self._start_param_sync()
         self._zero_grad_buffers()
-        self._alias_grads = True
+        if grad_scaler is not None:
+            # GradScaler.unscale_() would rescale aliased grads in place (and race the reduce-
+            # scatters); with a scaler, grads stay private and .grad stays None.
+            self._scaler_seen = True
+            for p in self.params:
+                if self._grad_is_alias(p):
+                    p.grad = None
+        self._alias_grads = not self._scaler_seen
         self._max_norm = None
         self._reset_iteration()
         return loss
