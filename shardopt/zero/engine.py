@@ -6,14 +6,17 @@ single-process class calls). See Note: buckets and shards (layout.py) and docs/d
 
 One step (default settings):
   1. backward: each param's post-accumulate-grad hook adds its grad into its key's grad buffer and
-     frees ``param.grad``; a bucket whose params have all arrived is reduce-scattered
-     asynchronously, strictly in bucket order (so every rank issues collectives in one order even
-     when some params get no grad on some ranks);
+     frees ``param.grad`` (from the second step on, where dtypes match and no GradScaler is used,
+     ``param.grad`` is a view of the buffer and autograd accumulates in place); a bucket whose
+     params have all arrived is reduce-scattered asynchronously, strictly in bucket order (so
+     every rank issues collectives in one order even when some params get no grad on some ranks);
   2. ``step()``: launch what is left, wait; one all-reduce for the global grad norm when clipping,
      LAMB or a GradScaler needs it; inverse loss scale, averaging and clip coefficient fold into one
      device scalar the kernels read; an inf/nan skips the step on every rank (same all-reduced sum);
-  3. the fused update of this rank's shard writes masters, state and the param chunk in one pass;
-  4. all-gather of every bucket back into the params.
+  3. the fused update of this rank's shard writes masters, state and (low-precision params) the
+     param chunk in one pass;
+  4. all-gather of every bucket back into the params, in forward order; with
+     ``overlap_param_sync`` each module's forward waits only for its own params' buckets.
 """
 
 from __future__ import annotations
