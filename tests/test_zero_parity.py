@@ -63,7 +63,8 @@ def parity(name, rank, world, *, dtype=torch.float32, steps=3, micro_batches=3, 
     if dtype != torch.float32:
         ref_kw["master_weights"] = True
     ref_opt = getattr(shardopt, f"Fused{name}")(_groups(ref), **ref_kw)
-    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    low_sync = extra.get("param_sync_dtype") in (torch.bfloat16, torch.float16)
+    tol = FP32_TOL if dtype == torch.float32 and not low_sync else BF16_TOL
     # Low-precision models: sum instead of average, so the reference's bf16 grad is exact too.
     exact = dtype != torch.float32
     denom = 1 if exact else world
@@ -136,6 +137,11 @@ def parity_Adam_no_overlap(rank, world):
     parity("Adam", rank, world, overlap_grad_sync=False, overlap_param_sync=True)
 
 
+def parity_Adam_bf16_param_sync(rank, world):
+    # fp32 params gathered in bf16 (a separate all-gather buffer, copied per bucket in forward)
+    parity("Adam", rank, world, param_sync_dtype=torch.bfloat16, overlap_param_sync=True)
+
+
 CASES = [
     parity_Adam,
     parity_Adam_l2,
@@ -149,6 +155,7 @@ CASES = [
     parity_LAMB_bf16_master,
     parity_Adam_bf16_grad_sync,
     parity_Adam_no_overlap,
+    parity_Adam_bf16_param_sync,
 ]
 
 
