@@ -150,6 +150,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for i in key.layout.params
         }
         self._bind_params_to_buffers()
+        # Built once so the step does no host-to-device copies (LAMB's and NovoGrad's per-param
+        # reductions index with them).
+        self._fragment_indices = [
+            torch.tensor(
+                [f.param for f in k.buffers.fragments], dtype=torch.long, device=self.device
+            )
+            for k in self.keys
+        ]
+        self._member_indices = [
+            torch.tensor(list(k.layout.params), dtype=torch.long, device=self.device)
+            for k in self.keys
+        ]
+        self._module_bucket_cache: dict[int, list[tuple[int, int]]] = {}
         for group in self.param_groups:
             group["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
         self._sync_enabled = True
@@ -490,6 +503,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buf = key.buffers
         return key.param_dtype == buf.master.dtype and buf.sync_space is buf.param_space
 
+    def _fragment_index(self, key: _Key) -> torch.Tensor:
+        """Engine param index of each of this rank's fragments of ``key`` (device vector)."""
+        return self._fragment_indices[key.index]
+
+    def _member_index(self, key: _Key) -> torch.Tensor:
+        """Engine param indices of every param of ``key`` (device vector)."""
+        return self._member_indices[key.index]
+
     def _outs(self, key: _Key) -> list[torch.Tensor] | None:
         """Per-bucket out slots of the update kernel (None when the gather reads the master)."""
         if self._direct_gather(key):
@@ -545,7 +566,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _module_buckets(self, module: torch.nn.Module) -> list[tuple[int, int]]:
         """The (key, bucket) pairs holding a module's own params (cached per module)."""
-        cache = self.__dict__.setdefault("_module_bucket_cache", {})
+        cache = self._module_bucket_cache
         found = cache.get(id(module))
         if found is None:
             found = []

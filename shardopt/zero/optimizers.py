@@ -256,7 +256,7 @@ class DistributedFusedLAMB(DistributedOptimizer):
                 step_t=group["step"].reshape(1),
                 found_inf_t=scalars.found_inf_t,
             )
-            index = torch.tensor([f.param for f in buf.fragments], device=self.device)
+            index = self._fragment_index(key)
             sums[:n].index_add_(0, index, w_sq.to(self.device, torch.float32))
             sums[n:].index_add_(0, index, u_sq.to(self.device, torch.float32))
             staged.append((key, group, masters, u, index))
@@ -327,7 +327,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
                 continue
             inf_norm = group["norm_type"] == 0
             _, per = _ops.norm(buf.per_fragment(buf.grad_shard), max_norm=inf_norm)
-            index = torch.tensor([f.param for f in buf.fragments], device=self.device)
+            index = self._fragment_index(key)
             per = per.to(self.device, torch.float32)
             if inf_norm:
                 maxes.scatter_reduce_(0, index, per, reduce="amax")
@@ -338,7 +338,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
         scale = scalars.grad_scale_t.abs()
         for key in self.keys:
             group, buf = self.param_groups[key.group_index], key.buffers
-            members = torch.tensor(list(key.layout.params), device=self.device)
+            members = self._member_index(key)
             raw = maxes if group["norm_type"] == 0 else sums.sqrt()
             norms = raw.index_select(0, members) * scale
             old = self.second_moment.index_select(0, members)
@@ -356,7 +356,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             self.second_moment.index_copy_(0, members, new)
             if not buf.fragments:
                 continue
-            index = torch.tensor([f.param for f in buf.fragments], device=self.device)
+            index = self._fragment_index(key)
             novograd_apply(
                 group,
                 buf.per_fragment(buf.grad_shard),
