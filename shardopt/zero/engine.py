@@ -67,8 +67,6 @@ class StepScalars:
     grad_scale_t: torch.Tensor  # averaging x inverse loss scale x clip coefficient
     found_inf_t: torch.Tensor | None
     sumsq: torch.Tensor | None  # all-reduced sum of squares of the summed grads (if computed)
-    grad_factor: float  # averaging factor alone (1/world or 1)
-    inv_scale: torch.Tensor | None  # inverse loss scale alone
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -468,24 +466,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_scalars(self, grad_scaler) -> StepScalars:
-        factor = self._grad_factor()
-        grad_scale = torch.full((1,), factor, dtype=torch.float32, device=self.device)
-        inv_scale = found_inf = sumsq = None
-        if grad_scaler is not None and grad_scaler.is_enabled():
-            scale = grad_scaler._get_scale_async()
-            inv_scale = scale.to(self.device, torch.float32).reciprocal().reshape(1)
-            grad_scale = grad_scale * inv_scale
-        if grad_scaler is not None or self._max_norm is not None or self.needs_grad_norm:
+        scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        grad_scale = torch.full((1,), self._grad_factor(), dtype=torch.float32, device=self.device)
+        found_inf = sumsq = None
+        if scaler is not None or self._max_norm is not None or self.needs_grad_norm:
             sumsq = self._global_sumsq()
-        if grad_scaler is not None and grad_scaler.is_enabled():
+        if scaler is not None:
+            scale = scaler._get_scale_async().to(self.device, torch.float32)
+            grad_scale = grad_scale * scale.reciprocal().reshape(1)
             found_inf = (~torch.isfinite(sumsq)).float().reshape(1)
-            state = grad_scaler._per_optimizer_states[id(self)]
+            # scaler.update() reads the overflow decision from here
+            state = scaler._per_optimizer_states[id(self)]
             state["found_inf_per_device"] = {self.device: found_inf.reshape(())}
         if self._max_norm is not None:
             norm = sumsq.sqrt() * grad_scale  # unscaled, averaged
-            coef = torch.clamp(self._max_norm / (norm + 1e-6), max=1.0)
-            grad_scale = grad_scale * coef
-        return StepScalars(grad_scale, found_inf, sumsq, factor, inv_scale)
+            grad_scale = grad_scale * torch.clamp(self._max_norm / (norm + 1e-6), max=1.0)
+        return StepScalars(grad_scale, found_inf, sumsq)
 
     def _update(self, scalars: StepScalars) -> None:
         raise NotImplementedError
@@ -805,10 +801,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _publish_masters(self) -> None:
         """Writes the master shards into the params and all-gathers them (after a load)."""
         for key in self.keys:
-            buf = key.buffers
-            if self._direct_gather(key):
-                continue
-            for master, out in zip(buf.per_fragment(buf.master), buf.fragment_outs(buf.sync_space)):
+            outs = self._fragment_outs(key)  # None: the all-gather reads the masters directly
+            for master, out in zip(key.buffers.per_fragment(key.buffers.master), outs or []):
                 out.copy_(master)
         self._start_param_sync()
         self.wait_param_sync()
