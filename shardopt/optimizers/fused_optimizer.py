@@ -46,6 +46,21 @@ def check_grad(p: torch.Tensor, owner: str) -> None:
         )
 
 
+def check_loaded_groups(saved_groups: list[dict], param_groups: list[dict], owner: str) -> None:
+    """A loaded state dict must have this optimizer's number of groups and params per group."""
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"{owner}: the state dict has {len(saved_groups)} param groups, this optimizer has "
+            f"{len(param_groups)}"
+        )
+    for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
+        if len(g["params"]) != len(sg["params"]):
+            raise ValueError(
+                f"{owner}: param group {i} of the state dict has {len(sg['params'])} params, "
+                f"this optimizer's has {len(g['params'])}"
+            )
+
+
 def reject_amsgrad(amsgrad: bool, owner: str) -> None:
     if amsgrad:
         raise RuntimeError(f"{owner} does not support the AMSGrad variant.")
@@ -221,17 +236,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         Hyperparameters missing from the loaded groups keep this optimizer's values.
         """
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state dict has {len(saved_groups)} param groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(
-                    f"param group {i} of the loaded state dict has {len(sg['params'])} params, "
-                    f"this optimizer's has {len(g['params'])}"
-                )
+        check_loaded_groups(saved_groups, self.param_groups, type(self).__name__)
         new_groups, new_state = [], {}
         for g, sg in zip(self.param_groups, saved_groups):
             group = {**g, **{k: v for k, v in sg.items() if k != "params"}}
@@ -263,7 +268,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.state = defaultdict(dict, new_state)
 
     def _restore_state_tensor(self, key: str, value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        if not value.is_floating_point():
+            return value.to(device=p.device).clone()
         dtype = torch.float32 if key == "master_param" else acc_dtype(p.dtype)
-        if value.dim() == 0 or value.shape != p.shape:
-            dtype = value.dtype if not value.is_floating_point() else dtype
         return value.to(device=p.device, dtype=dtype).clone()

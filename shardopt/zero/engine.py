@@ -34,6 +34,7 @@ from shardopt import _ops
 from shardopt.optimizers.fused_optimizer import (
     LOW_PRECISION,
     check_grad,
+    check_loaded_groups,
     check_param_dtypes,
 )
 from shardopt.zero import comm
@@ -719,18 +720,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         saved_groups = state_dict["param_groups"]
         name = type(self).__name__
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"{name}: the state dict has {len(saved_groups)} param groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
+        check_loaded_groups(saved_groups, self.param_groups, name)
         saved_id: dict[int, Any] = {}
-        for gi, (group, sg) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(group["params"]) != len(sg["params"]):
-                raise ValueError(
-                    f"{name}: param group {gi} of the state dict has {len(sg['params'])} params, "
-                    f"this optimizer's has {len(group['params'])}"
-                )
+        for group, sg in zip(self.param_groups, saved_groups):
             for p, pid in zip(group["params"], sg["params"]):
                 saved_id[id(p)] = pid
                 entry = state_dict["state"].get(pid)
