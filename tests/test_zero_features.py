@@ -133,12 +133,16 @@ def grad_scaler_skips_same_steps(rank, world):
     scales = []
     for step in range(5):
         loss = _loss(model, *_data(step, rank))
-        scaler.scale(loss).backward()
+        poisoned = None
         if step in poison and poison[step][1] == rank:
             # an inf/nan on ONE rank must skip the step on every rank
             bad = float(poison[step][0])
-            with torch.no_grad():
-                opt.keys[0].buffers.grad_space[0] = bad
+            poisoned = next(model.parameters()).register_hook(
+                lambda g, bad=bad: torch.full_like(g, bad)
+            )
+        scaler.scale(loss).backward()
+        if poisoned is not None:
+            poisoned.remove()
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
@@ -259,7 +263,8 @@ def adamw_state_dict_imports(rank, world):
 
 
 def memory_matches_formula(rank, world):
-    # documented in docs/design.md: bytes per param = P + G + (4 * (1 + S) + G) / N (+ padding)
+    # documented in docs/design.md: bytes per param = P + (G + M + 4 * S) / N (+ padding), where
+    # M = 0 for fp32 params (the master is the param shard) and 4 otherwise; no full grad buffer
     for dtype, grad_dtype, states in (
         (torch.float32, torch.float32, 2),
         (torch.bfloat16, torch.float32, 2),
@@ -269,7 +274,8 @@ def memory_matches_formula(rank, world):
         opt = shardopt.DistributedFusedAdam(params, grad_sync_dtype=grad_dtype, bucket_cap_mb=0.05)
         n = sum(p.numel() for p in params)
         p_b, g_b = dtype.itemsize, grad_dtype.itemsize
-        expected = n * (p_b + g_b + (4 * (1 + states) + g_b) / world)
+        m_b = 0 if dtype == torch.float32 else 4
+        expected = n * (p_b + (g_b + m_b + 4 * states) / world)
         total = sum(opt.memory_bytes().values())
         assert expected * (1 - 1e-9) <= total <= expected * 1.02, (
             dtype,
@@ -277,6 +283,44 @@ def memory_matches_formula(rank, world):
             total,
             expected,
         )
+
+
+def transient_grad_buckets_bounded(rank, world):
+    """During backward at most MAX_GRAD_BUCKETS_IN_FLIGHT reduce-scatters are unwaited and at
+    most two buckets are being filled; after step() no grad buffer is left."""
+    from shardopt.zero.engine import MAX_GRAD_BUCKETS_IN_FLIGHT
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(12)])
+    ref = copy.deepcopy(model)
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.01, bucket_cap_mb=300 * 4 / 2**20)
+    ref_opt = shardopt.FusedAdam(ref.parameters(), lr=0.01)
+    assert len(opt.keys[0].layout.buckets) >= 8
+    seen = []
+
+    def record(_):
+        live = sum(len(k.buffers.grad_buckets) for k in opt.keys)
+        seen.append((live, len(opt._grad_handles) - opt._next_wait))
+
+    for p in model.parameters():  # registered after the optimizer's hooks: runs after them
+        p.register_post_accumulate_grad_hook(record)
+    for step in range(2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * world + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        assert all(not k.buffers.grad_buckets for k in opt.keys)
+        ref_grads = []
+        for r in range(world):
+            xr = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * world + r))
+            ref.zero_grad()
+            ref(xr).square().mean().backward()
+            ref_grads.append([p.grad.clone() for p in ref.parameters()])
+        for i, p in enumerate(ref.parameters()):
+            p.grad = sum(g[i] for g in ref_grads) / world
+        ref_opt.step()
+        _assert_same(model, ref)
+    assert max(live for live, _ in seen) <= 2, seen
+    assert max(inflight for _, inflight in seen) <= MAX_GRAD_BUCKETS_IN_FLIGHT, seen
 
 
 def misuse_params_differ(rank, world):
@@ -332,6 +376,7 @@ CASES = [
     state_dict_round_trip,
     adamw_state_dict_imports,
     memory_matches_formula,
+    transient_grad_buckets_bounded,
     misuse_params_differ,
     misuse_ddp_wrapped,
     misuse_frozen_then_unfrozen,

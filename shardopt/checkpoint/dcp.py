@@ -64,7 +64,7 @@ def sharded_state_dict(optimizer: DistributedOptimizer) -> dict[str, Any]:
             for name, shard in named.items():
                 local = [
                     Shard(
-                        shard.narrow(0, f.shard_range.start, f.shard_range.numel),
+                        buf.fragment(shard, f),
                         ShardMetadata([f.param_range.start], [f.param_range.numel], placement),
                     )
                     for f in frags

@@ -105,9 +105,10 @@ def save(
         named["master_param"] = key.buffers.master
         for f in key.buffers.fragments:
             index = optimizer.all_index[f.param]
-            r = f.shard_range
             entry = {"param": index, "start": f.param_range.start, "end": f.param_range.end}
-            entry.update({n: t[r.start : r.end].detach().cpu().clone() for n, t in named.items()})
+            entry.update(
+                {n: key.buffers.fragment(t, f).detach().cpu().clone() for n, t in named.items()}
+            )
             payload.append(entry)
             fragments.append([index, f.param_range.start, f.param_range.end])
     writes = (
@@ -248,6 +249,6 @@ def load(
                         dst = piece.shift(f.shard_range.start - f.param_range.start)
                         src = piece.shift(-saved["start"])
                         for n, shard in named.items():
-                            shard[dst.start : dst.end].copy_(saved[n][src.start : src.end])
+                            buf.shard_slice(shard, dst).copy_(saved[n][src.start : src.end])
         optimizer._restore_groups(metadata["param_groups"])
         optimizer._publish_masters()

@@ -62,9 +62,10 @@ class Handle:
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = True
 ) -> Handle:
-    """SUM reduce-scatter of ``input`` (world_size equal chunks) into ``output``."""
+    """SUM reduce-scatter of ``input`` (world_size equal chunks) into ``output``; the handle keeps
+    both alive until it is waited on."""
     work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return Handle(work)
+    return Handle(work, after=lambda: (output, input))
 
 
 def all_gather(

@@ -5,11 +5,13 @@ and implements ``_update(...)`` with its algorithm's update rule (the same funct
 single-process class calls). See Note: buckets and shards (layout.py) and docs/design.md.
 
 One step (default settings):
-  1. backward: each param's post-accumulate-grad hook adds its grad into its key's grad buffer and
-     frees ``param.grad`` (from the second step on, where dtypes match and no GradScaler is used,
-     ``param.grad`` is a view of the buffer and autograd accumulates in place); a bucket whose
-     params have all arrived is reduce-scattered asynchronously, strictly in bucket order (so
-     every rank issues collectives in one order even when some params get no grad on some ranks);
+  1. backward: each param's post-accumulate-grad hook copies its grad into its bucket's transient
+     grad buffer (allocated when the bucket's first grad arrives; added to under ``no_sync``) and
+     frees ``param.grad``; a bucket whose params have all arrived is reduce-scattered
+     asynchronously into this rank's grad shard, strictly in bucket order (so every rank issues
+     collectives in one order even when some params get no grad on some ranks), and its buffer is
+     released once the reduce-scatter two buckets later is launched (bounded extra memory, no
+     full-size grad buffer, nothing to zero);
   2. ``step()``: launch what is left, wait; one all-reduce for the global grad norm when clipping,
      LAMB or a GradScaler needs it; inverse loss scale, averaging and clip coefficient fold into one
      device scalar the kernels read; an inf/nan skips the step on every rank (same all-reduced sum);
@@ -39,7 +41,7 @@ from shardopt.optimizers.fused_optimizer import (
 )
 from shardopt.zero import comm
 from shardopt.zero.flat_buffer import KeyBuffers
-from shardopt.zero.layout import KeyLayout, plan_key
+from shardopt.zero.layout import KeyLayout, Range, plan_key
 
 # GradScaler still hands itself to optimizers whose step() takes ``grad_scaler`` (its documented
 # contract for optimizers that manage their own grads); silence only that deprecation notice.
@@ -48,6 +50,9 @@ warnings.filterwarnings(
 )
 
 ALIGN_BYTES = 128
+# Reduce-scatters in flight during backward before the oldest is waited on (on the compute
+# stream, no host sync on NCCL) and its transient grad bucket released.
+MAX_GRAD_BUCKETS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -143,10 +148,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._broadcast_params()
         self.keys: list[_Key] = self._build_keys(bucket_cap_mb)
         self._param_key: dict[int, _Key] = {i: key for key in self.keys for i in key.layout.params}
+        #: param -> (bucket index, bucket_range, param_range) of each bucket it has elements in
+        self._pieces: dict[int, list[tuple[int, Range, Range]]] = {
+            i: key.layout.param_pieces(i) for key in self.keys for i in key.layout.params
+        }
         self._param_buckets: dict[int, list[int]] = {
-            i: [b.index for b in key.layout.buckets if i in b.params]
-            for key in self.keys
-            for i in key.layout.params
+            i: [b for b, _, _ in pieces] for i, pieces in self._pieces.items()
         }
         self._bind_params_to_buffers()
         # Built once so the step does no host-to-device copies (LAMB's and NovoGrad's per-param
@@ -165,8 +172,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             group["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
         self._sync_enabled = True
-        self._alias_grads = False
-        self._scaler_seen = False
         self._max_norm: float | None = None
         self._reset_iteration()
         self._param_sync_pending: dict[tuple[int, int], comm.Handle] = {}
@@ -270,6 +275,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 view = buf.param_view(i, p.shape)
                 view.copy_(p.data)
                 p.data = view
+            if buf.master_is_param:
+                continue
             for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
                 master.copy_(buf.fragment_param_view(self.params[f.param].data, f))
 
@@ -282,8 +289,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._order = [(k.index, b.index) for k in self.keys for b in k.layout.buckets]
         self._next_launch = 0
         self._grad_handles: list[comm.Handle] = []
+        self._next_wait = 0  # first handle in _grad_handles not yet waited on
         self._grad_synced = False
         self._arrived: set[int] = set()
+        self._written: set[int] = set()  # params whose grads are in a live grad bucket
+        for key in self.keys:
+            key.buffers.grad_buckets.clear()
         self._sumsq: torch.Tensor | None = None
 
     def _grad_hook(self, p: torch.Tensor) -> None:
@@ -296,16 +307,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer.no_sync(), and call step() before the next synchronised backward"
             )
         check_grad(p, type(self).__name__)
-        view = key.buffers.grad_view(i)
-        if not self._is_alias(p, view):
-            with torch.no_grad():
-                view.add_(p.grad.reshape(-1))
-            # From the second step on (the first one checked that nothing else writes .grad, e.g.
-            # a DDP wrapper), p.grad becomes a view of the flat buffer where dtypes match, so
-            # autograd accumulates in place: no temporary grad, no copy.
-            aliasable = self._alias_grads and view.dtype == p.dtype
-            p.grad = view.view_as(p) if aliasable else None
-        self._grads_dirty = True
+        buf = key.buffers
+        grad = p.grad.reshape(-1)
+        first = i not in self._written
+        with torch.no_grad():
+            for b, in_bucket, in_param in self._pieces[i]:
+                dst = buf.grad_bucket(b).narrow(0, in_bucket.start, in_bucket.numel)
+                src = grad.narrow(0, in_param.start, in_param.numel)
+                if first:
+                    dst.copy_(src)
+                else:
+                    dst.add_(src)
+        self._written.add(i)
+        p.grad = None
         if not self._sync_enabled:
             return
         self._arrived.add(i)
@@ -314,49 +328,54 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.overlap_grad_sync:
             self._launch_ready(force=False)
 
-    @staticmethod
-    def _is_alias(p: torch.Tensor, view: torch.Tensor) -> bool:
-        g = p.grad
-        return (
-            g is not None
-            and g.dtype == view.dtype
-            and g.data_ptr() == view.data_ptr()
-            and g.numel() == view.numel()
-        )
-
-    def _grad_is_alias(self, p: torch.Tensor) -> bool:
-        i = self.param_index.get(id(p))
-        return i is not None and self._is_alias(p, self._param_key[i].buffers.grad_view(i))
-
     def _launch_ready(self, force: bool) -> None:
         """Launches reduce-scatters strictly in bucket order, up to the first incomplete one."""
         while self._next_launch < len(self._order):
             ki, bi = self._order[self._next_launch]
             if not force and self._pending[(ki, bi)] > 0:
                 return
-            key = self.keys[ki]
-            bucket = key.layout.buckets[bi]
-            buf = key.buffers
-            self._grad_handles.append(
-                comm.reduce_scatter(
-                    buf.shard_of_bucket(buf.grad_shard, bucket),
-                    buf.bucket(buf.grad_space, bucket),
-                    self.process_group,
-                )
-            )
+            self._grad_handles.append(self._reduce_scatter_bucket(self.keys[ki], bi))
             self._next_launch += 1
+            if not force:
+                # bound the transient grad memory; the step waits for the rest
+                while self._next_wait < len(self._grad_handles) - MAX_GRAD_BUCKETS_IN_FLIGHT:
+                    self._grad_handles[self._next_wait].wait()
+                    self._next_wait += 1
+
+    def _reduce_scatter_bucket(self, key: _Key, bi: int) -> comm.Handle:
+        """Completes a bucket's grads (zeros where no grad arrived) and reduce-scatters it into
+        this rank's grad shard; the bucket's buffer lives until the handle is waited on."""
+        buf = key.buffers
+        bucket = key.layout.buckets[bi]
+        fresh = bi not in buf.grad_buckets
+        grads = buf.grad_bucket(bi)
+        if fresh:  # no grad of this bucket arrived on this rank
+            grads.zero_()
+        else:
+            holes = [grads.narrow(0, r.start, r.numel) for r in bucket.gaps]
+            for i in bucket.params:
+                if i not in self._written:
+                    r = next(r for b, r, _ in self._pieces[i] if b == bi)
+                    holes.append(grads.narrow(0, r.start, r.numel))
+            if holes:
+                torch._foreach_zero_(holes)
+        buf.release_grad_bucket(bi)
+        return comm.reduce_scatter(
+            buf.shard_of_bucket(buf.grad_shard, bucket), grads, self.process_group
+        )
 
     def _finish_grad_sync(self) -> None:
         """Launches what is left, waits for every reduce-scatter (idempotent per iteration)."""
         if self._grad_synced:
             return
         for p in self.all_params:
-            if p.grad is not None and not self._grad_is_alias(p):
+            if p.grad is not None:
                 raise RuntimeError(self._stray_grad_message(p))
         self._launch_ready(force=True)
         for h in self._grad_handles:
             h.wait()
         self._grad_handles = []
+        self._next_wait = 0
         if self.redundant_process_group is not None:
             for key in self.keys:
                 comm.all_reduce(key.buffers.grad_shard, self.redundant_process_group)
@@ -453,15 +472,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group["step"].add_(1 - scalars.found_inf_t.reshape(()))
         self._update(scalars)
         self._start_param_sync()
-        self._zero_grad_buffers()
-        if grad_scaler is not None:
-            # GradScaler.unscale_() would rescale aliased grads in place (and race the reduce-
-            # scatters); with a scaler, grads stay private and .grad stays None.
-            self._scaler_seen = True
-            for p in self.params:
-                if self._grad_is_alias(p):
-                    p.grad = None
-        self._alias_grads = not self._scaler_seen
         self._max_norm = None
         self._reset_iteration()
         return loss
@@ -495,10 +505,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         }
 
     def _direct_gather(self, key: _Key) -> bool:
-        """fp32 params: the master shard IS the param chunk's content, so the all-gather reads
-        the master directly and the kernel needs no out slot (see Note: dtypes)."""
-        buf = key.buffers
-        return key.param_dtype == buf.master.dtype and buf.sync_space is buf.param_space
+        """fp32 params gathered in fp32: the master shard IS this rank's param chunks, so the
+        kernel updates the params in place (no out slot) and the all-gather runs in place."""
+        return key.buffers.master_is_param
 
     def _fragment_index(self, key: _Key) -> torch.Tensor:
         """Engine param index of each of this rank's fragments of ``key`` (device vector)."""
@@ -526,15 +535,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         pending: dict[tuple[int, int], comm.Handle] = {}
         for key in self.keys:
             buf = key.buffers
-            direct = self._direct_gather(key)
-            for bucket in reversed(key.layout.buckets):
-                chunk = (
-                    buf.shard_of_bucket(buf.master, bucket)
-                    if direct
-                    else buf.chunk(buf.sync_space, bucket)
-                )
+            for bucket in reversed(key.layout.buckets):  # the update wrote this rank's chunk
                 pending[(key.index, bucket.index)] = comm.all_gather(
-                    buf.bucket(buf.sync_space, bucket), chunk, self.process_group, async_op=True
+                    buf.bucket(buf.sync_space, bucket),
+                    buf.chunk(buf.sync_space, bucket),
+                    self.process_group,
+                    async_op=True,
                 )
         self._param_sync_pending = pending
         if not self.overlap_param_sync:
@@ -598,20 +604,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             wait_before_forward
         )
 
-    def _zero_grad_buffers(self) -> None:
-        if getattr(self, "_grads_dirty", True):
-            for key in self.keys:
-                key.buffers.grad_space.zero_()
-        self._grads_dirty = False
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears accumulated grads (the flat grad buffers, if not already clean, and any
-        ``param.grad``). Grads that are views of the flat buffer stay set (now zero), so the next
-        backward keeps accumulating in place."""
-        self._zero_grad_buffers()
+        """Drops grads accumulated but not yet synced (``no_sync`` micro-batches) and any
+        ``param.grad``. After ``step()`` there is nothing to clear: grad buffers are transient."""
         for p in self.all_params:
-            if self._grad_is_alias(p):
-                continue
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
@@ -743,7 +739,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for f in buf.fragments:
                 p = self.params[f.param]
                 entry = state_dict["state"].get(saved_id[id(p)], {})
-                r = f.shard_range
                 for sname, shard in named.items():
                     if sname in entry:
                         src = entry[sname]
@@ -752,12 +747,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     else:
                         src = None
                     if src is None:
-                        shard[r.start : r.end].zero_()
+                        buf.fragment(shard, f).zero_()
                     else:
-                        piece = buf.fragment_param_view(src.detach(), f)
-                        shard[r.start : r.end].copy_(piece)
-                if "master_param" not in named:
-                    buf.master[r.start : r.end].copy_(buf.fragment_param_view(p.detach(), f))
+                        buf.fragment(shard, f).copy_(buf.fragment_param_view(src.detach(), f))
+                if "master_param" not in named and not buf.master_is_param:
+                    buf.fragment(buf.master, f).copy_(buf.fragment_param_view(p.detach(), f))
         for gi, (group, sg) in enumerate(zip(self.param_groups, saved_groups)):
             for k, v in sg.items():
                 if k in ("params", "step") or k not in self.defaults:

@@ -6,12 +6,22 @@ Per key:
     views of it, so an all-gather writes straight into the params);
   - ``sync_space``: the all-gather buffer when ``param_sync_dtype`` differs from the param dtype
     (else the same tensor as ``param_space``);
-  - ``grad_space``: gradients accumulated across micro-batches in the grad-sync dtype;
+  - grad buckets: TRANSIENT per-bucket gradient buffers in the grad-sync dtype, allocated when a
+    bucket's first gradient arrives and released once its reduce-scatter is done (they live across
+    backward passes only under ``no_sync``); there is no full-size gradient buffer;
   - ``grad_shard``: this rank's reduce-scattered (summed) gradient chunks;
-  - ``master`` and one tensor per optimizer state: this rank's shard in the state dtype.
+  - ``master`` and one tensor per optimizer state: this rank's shard in the state dtype. When the
+    params are fp32 and gathered in fp32 the master is not a copy: it is this rank's chunks of
+    ``param_space`` (a ``ChunkedShard``), so the kernel updates the params in place and the
+    all-gather runs in place.
+
+A shard is either a flat tensor or a ``ChunkedShard``; take views of it only through
+``shard_slice`` / ``shard_of_bucket`` / ``per_bucket`` / ``per_fragment``.
 """
 
 from __future__ import annotations
+
+import bisect
 
 import torch
 
@@ -20,6 +30,32 @@ from shardopt.zero.layout import Bucket, Fragment, KeyLayout, Range
 
 def _view(t: torch.Tensor, r: Range) -> torch.Tensor:
     return t.narrow(0, r.start, r.numel)
+
+
+class ChunkedShard:
+    """A rank's shard made of one chunk per bucket of a key-space tensor (not contiguous)."""
+
+    def __init__(self, chunks: list[torch.Tensor], offsets: list[int]) -> None:
+        self.chunks = chunks
+        self.offsets = offsets  # shard offset of each chunk, increasing
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.chunks[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.chunks[0].device
+
+    def slice(self, r: Range) -> torch.Tensor:
+        """Shard elements ``r``, which must lie within one chunk."""
+        i = bisect.bisect_right(self.offsets, r.start) - 1
+        if i < 0 or r.end - self.offsets[i] > self.chunks[i].numel():
+            raise IndexError(f"shard range {r} is not inside one bucket's chunk")
+        return _view(self.chunks[i], r.shift(-self.offsets[i]))
+
+
+Shard = torch.Tensor | ChunkedShard
 
 
 class KeyBuffers:
@@ -39,6 +75,8 @@ class KeyBuffers:
     ) -> None:
         self.layout = layout
         self.rank = rank
+        self.device = device
+        self.grad_dtype = grad_sync_dtype
         space, shard = layout.space_numel, layout.shard_numel
         self.param_space = torch.zeros(space, dtype=param_dtype, device=device)
         self.sync_space = (
@@ -46,19 +84,37 @@ class KeyBuffers:
             if param_sync_dtype == param_dtype
             else torch.zeros(space, dtype=param_sync_dtype, device=device)
         )
-        self.grad_space = torch.zeros(space, dtype=grad_sync_dtype, device=device)
         self.grad_shard = torch.zeros(shard, dtype=grad_sync_dtype, device=device)
-        self.master = torch.zeros(shard, dtype=state_dtype, device=device)
+        #: the master IS this rank's chunks of the params (fp32 params gathered in fp32)
+        self.master_is_param = param_dtype == state_dtype and self.sync_space is self.param_space
+        self.master: Shard = (
+            ChunkedShard(self.chunks(self.param_space), [b.shard_offset for b in layout.buckets])
+            if self.master_is_param
+            else torch.zeros(shard, dtype=state_dtype, device=device)
+        )
         self.state = {n: torch.zeros(shard, dtype=state_dtype, device=device) for n in state_names}
         self.fragments = layout.rank_fragments(rank)
+        self.grad_buckets: dict[int, torch.Tensor] = {}  # live transient grad buffers
+
+    # -- transient grad buckets ------------------------------------------------------------------
+
+    def grad_bucket(self, bucket: int) -> torch.Tensor:
+        """The grad buffer of a bucket, allocated (uninitialised) on first use."""
+        t = self.grad_buckets.get(bucket)
+        if t is None:
+            numel = self.layout.buckets[bucket].numel
+            t = torch.empty(numel, dtype=self.grad_dtype, device=self.device)
+            self.grad_buckets[bucket] = t
+        return t
+
+    def release_grad_bucket(self, bucket: int) -> torch.Tensor | None:
+        """Forgets a bucket's grad buffer and returns it (None if it was never allocated)."""
+        return self.grad_buckets.pop(bucket, None)
 
     # -- views -----------------------------------------------------------------------------------
 
     def param_view(self, param: int, shape: torch.Size) -> torch.Tensor:
         return _view(self.param_space, self.layout.space_ranges[param]).view(shape)
-
-    def grad_view(self, param: int) -> torch.Tensor:
-        return _view(self.grad_space, self.layout.space_ranges[param])
 
     def bucket(self, space: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         return _view(space, bucket.space_range)
@@ -67,18 +123,29 @@ class KeyBuffers:
         """This rank's chunk of ``bucket`` in a key-space tensor."""
         return _view(self.bucket(space, bucket), bucket.chunk_range(self.rank))
 
-    def shard_of_bucket(self, shard: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        """The part of a shard tensor that holds ``bucket``'s chunk."""
-        return shard.narrow(0, bucket.shard_offset, bucket.chunk_numel)
+    @staticmethod
+    def shard_slice(shard: Shard, r: Range) -> torch.Tensor:
+        """Elements ``r`` (shard coordinates, within one bucket's chunk) of a shard."""
+        return shard.slice(r) if isinstance(shard, ChunkedShard) else _view(shard, r)
 
-    def per_bucket(self, shard: torch.Tensor) -> list[torch.Tensor]:
+    def shard_of_bucket(self, shard: Shard, bucket: Bucket) -> torch.Tensor:
+        """The part of a shard that holds ``bucket``'s chunk."""
+        return self.shard_slice(
+            shard, Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
+        )
+
+    def per_bucket(self, shard: Shard) -> list[torch.Tensor]:
         return [self.shard_of_bucket(shard, b) for b in self.layout.buckets]
 
     def chunks(self, space: torch.Tensor) -> list[torch.Tensor]:
         return [self.chunk(space, b) for b in self.layout.buckets]
 
-    def per_fragment(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        return [_view(shard, f.shard_range) for f in self.fragments]
+    def fragment(self, shard: Shard, fragment: Fragment) -> torch.Tensor:
+        """A fragment's elements of a shard."""
+        return self.shard_slice(shard, fragment.shard_range)
+
+    def per_fragment(self, shard: Shard) -> list[torch.Tensor]:
+        return [self.fragment(shard, f) for f in self.fragments]
 
     def fragment_outs(self, space: torch.Tensor) -> list[torch.Tensor]:
         """Key-space views (e.g. of ``sync_space``) of this rank's fragments."""
@@ -92,12 +159,14 @@ class KeyBuffers:
         return _view(full.reshape(-1), fragment.param_range)
 
     def bytes(self) -> dict[str, int]:
-        """Bytes held per buffer (``sync_space`` only when separate)."""
+        """Bytes held per persistent buffer (``sync_space`` only when separate, ``master`` 0 when
+        it is the param chunks); transient grad buckets are not counted."""
         out = {
             "param_space": self.param_space.numel() * self.param_space.element_size(),
-            "grad_space": self.grad_space.numel() * self.grad_space.element_size(),
             "grad_shard": self.grad_shard.numel() * self.grad_shard.element_size(),
-            "master": self.master.numel() * self.master.element_size(),
+            "master": 0
+            if self.master_is_param
+            else self.master.numel() * self.master.element_size(),
         }
         if self.sync_space is not self.param_space:
             out["sync_space"] = self.sync_space.numel() * self.sync_space.element_size()

@@ -59,6 +59,7 @@ class Bucket:
     chunk_numel: int
     shard_offset: int  # where this bucket's chunk starts in every rank's shard
     params: tuple[int, ...]  # params with at least one element in the bucket
+    gaps: tuple[Range, ...] = ()  # bucket ranges holding no param (alignment, padding)
 
     @property
     def numel(self) -> int:
@@ -86,9 +87,34 @@ class KeyLayout:
     def param_fragments(self, param: int) -> list[Fragment]:
         return [f for f in self.fragments if f.param == param]
 
+    def param_pieces(self, param: int) -> list[tuple[int, Range, Range]]:
+        """(bucket index, bucket_range, param_range) of each bucket a param has elements in."""
+        space = self.space_ranges[param]
+        pieces = []
+        for b in self.buckets:
+            piece = space.intersect(b.space_range)
+            if piece is not None:
+                pieces.append(
+                    (b.index, piece.shift(-b.space_range.start), piece.shift(-space.start))
+                )
+        return pieces
+
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
+
+
+def _gaps(space: Range, members: tuple[int, ...], space_ranges: dict[int, Range]) -> tuple:
+    """The bucket ranges of ``space`` no member param covers (members are in space order)."""
+    gaps, cursor = [], space.start
+    for i in members:
+        piece = space_ranges[i].intersect(space)
+        if piece.start > cursor:
+            gaps.append(Range(cursor, piece.start).shift(-space.start))
+        cursor = max(cursor, piece.end)
+    if cursor < space.end:
+        gaps.append(Range(cursor, space.end).shift(-space.start))
+    return tuple(gaps)
 
 
 def plan_key(
@@ -133,7 +159,16 @@ def plan_key(
         space = Range(start, start + numel)
         members = tuple(i for i, _ in order if space_ranges[i].intersect(space) and numel > 0)
         chunk = numel // world_size
-        buckets.append(Bucket(len(buckets), space, chunk, shard_offset, members))
+        buckets.append(
+            Bucket(
+                len(buckets),
+                space,
+                chunk,
+                shard_offset,
+                members,
+                _gaps(space, members, space_ranges),
+            )
+        )
         shard_offset += chunk
         start += numel
 
