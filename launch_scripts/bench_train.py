@@ -2,10 +2,11 @@
 
 One run trains the same GPT-like model (about 1.4B params by default) for a few steps in every mode,
 rebuilding the model per mode, and measures per mode the median training step (forward, backward,
-optimizer step and zero_grad between CUDA events), the optimizer step alone, the peak memory per
-GPU and the global tokens/s; plus the reduce-scatter and all-gather bus bandwidth of the
-collective library at the engine's bucket size and at the full gradient size (in one call, and
-split into the engine's buckets)::
+optimizer step and zero_grad between CUDA events), the optimizer step alone (after grad sync:
+shardopt's finish_grad_sync() is called before it, as DDP and FSDP2 finish theirs in backward),
+the peak memory per GPU and the global tokens/s; plus the reduce-scatter and all-gather bus
+bandwidth of the collective library at the full gradient size in one call, and at the engine's
+bucket size and 4x that (one bucket alone, and the full gradient split into such buckets)::
 
     torchrun --standalone --nproc-per-node 2 launch_scripts/bench_train.py --out bench_train.json
     torchrun --standalone --nproc-per-node 2 launch_scripts/bench_train.py --device cpu \\
@@ -18,6 +19,8 @@ Modes (params fp32, compute under bf16 autocast, weight decay 0.1 everywhere):
                          + AdamW(fused=True)
   shardopt_adam          DistributedFusedAdam(overlap_grad_sync=False), no DDP
   shardopt_adam_overlap  DistributedFusedAdam(overlap_grad_sync=True, overlap_param_sync=True)
+  shardopt_adam_overlap_big  the same with buckets of 4 x the bucket cap (fewer, larger
+                         collectives: more bus bandwidth, more transient grad memory)
   shardopt_lamb          DistributedFusedLAMB (engine defaults)
 
 With overlap_param_sync the all-gathers finish in the next forward: the optimizer-step time then
@@ -177,10 +180,9 @@ def setup_fsdp2(model, device, args) -> Setup:
     return Setup(model, opt, {"reshard_after_forward": False, "fused": True})
 
 
-def _shardopt(cls_name: str, model, args, **flags) -> Setup:
+def _shardopt(cls_name: str, model, args, bucket_scale: float = 1.0, **flags) -> Setup:
     zero_args = dict(flags)
-    if args.bucket_cap_mb is not None:
-        zero_args["bucket_cap_mb"] = args.bucket_cap_mb
+    zero_args["bucket_cap_mb"] = bucket_scale * (args.bucket_cap_mb or engine_bucket_cap_mb())
     cls = getattr(shardopt, cls_name)
     opt = cls(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY, **zero_args)
     settings = {
@@ -203,6 +205,17 @@ def setup_shardopt_adam_overlap(model, device, args) -> Setup:
     )
 
 
+def setup_shardopt_adam_overlap_big(model, device, args) -> Setup:
+    return _shardopt(
+        "DistributedFusedAdam",
+        model,
+        args,
+        bucket_scale=BIG_BUCKET_SCALE,
+        overlap_grad_sync=True,
+        overlap_param_sync=True,
+    )
+
+
 def setup_shardopt_lamb(model, device, args) -> Setup:
     return _shardopt("DistributedFusedLAMB", model, args)
 
@@ -213,8 +226,10 @@ MODES: dict[str, Callable[[nn.Module, torch.device, argparse.Namespace], Setup]]
     "fsdp2": setup_fsdp2,
     "shardopt_adam": setup_shardopt_adam,
     "shardopt_adam_overlap": setup_shardopt_adam_overlap,
+    "shardopt_adam_overlap_big": setup_shardopt_adam_overlap_big,
     "shardopt_lamb": setup_shardopt_lamb,
 }
+BIG_BUCKET_SCALE = 4  # shardopt_adam_overlap_big: buckets of 4x the bucket cap
 
 
 def release(opt: torch.optim.Optimizer | None) -> None:
@@ -272,6 +287,10 @@ def train(setup: Setup, cfg: ModelConfig, device: torch.device, args, start_byte
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = setup.forward(idx, targets)
         loss.backward()
+        if hasattr(setup.opt, "finish_grad_sync"):
+            # DDP and FSDP2 finish grad sync inside backward; end ours here too, so "opt" is the
+            # step after grad sync for every mode (step_ms is unaffected)
+            setup.opt.finish_grad_sync()
         if timed:
             opt_timer.start()
         setup.opt.step()
@@ -570,13 +589,15 @@ def main() -> None:
             flush=True,
         )
     if not args.no_comm:
-        bucket_numel = min(int(bucket_cap_mb * 2**20) // 4, n_params)
-        buckets = math.ceil(n_params / bucket_numel)
-        for label, numel, pieces in (
-            (f"one bucket ({bucket_cap_mb:g} MB cap)", bucket_numel, 1),
-            ("full grads, one call", n_params, 1),
-            (f"full grads, {buckets} buckets", n_params, buckets),
-        ):
+        cases = [("full grads, one call", n_params, 1)]
+        for cap in (bucket_cap_mb, BIG_BUCKET_SCALE * bucket_cap_mb):
+            bucket_numel = min(int(cap * 2**20) // 4, n_params)
+            buckets = math.ceil(n_params / bucket_numel)
+            cases += [
+                (f"one bucket ({cap:g} MB cap)", bucket_numel, 1),
+                (f"full grads, {buckets} buckets of {cap:g} MB", n_params, buckets),
+            ]
+        for label, numel, pieces in cases:
             report["collectives"].append(
                 bench_collective(label, numel, device, args.comm_iters, warmup=3, pieces=pieces)
             )

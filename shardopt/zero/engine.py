@@ -364,8 +364,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             buf.shard_of_bucket(buf.grad_shard, bucket), grads, self.process_group
         )
 
-    def _finish_grad_sync(self) -> None:
-        """Launches what is left, waits for every reduce-scatter (idempotent per iteration)."""
+    def finish_grad_sync(self) -> None:
+        """Launches the buckets not yet reduce-scattered and waits for every reduce-scatter of
+        this iteration (idempotent; ``step()`` calls it). Call it to end grad sync early, e.g. to
+        time the update alone. Collective."""
         if self._grad_synced:
             return
         for p in self.all_params:
@@ -418,7 +420,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _global_sumsq(self) -> torch.Tensor:
         """All-reduced sum of squares of the summed (not yet averaged) grads."""
         if self._sumsq is None:
-            self._finish_grad_sync()
+            self.finish_grad_sync()
             total = torch.zeros(1, dtype=torch.float32, device=self.device)
             for key in self.keys:
                 sq, _ = _ops.norm([key.buffers.grad_shard])
@@ -463,7 +465,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.wait_param_sync()
-        self._finish_grad_sync()
+        self.finish_grad_sync()
         scalars = self._step_scalars(grad_scaler)
         for group in self.param_groups:
             if scalars.found_inf_t is None:
