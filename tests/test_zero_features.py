@@ -157,7 +157,7 @@ def grad_scaler_skips_same_steps(rank, world):
 
 def grad_scaler_unscale_then_clip(rank, world):
     """scaler.unscale_(opt) before optimizer.clip_grad_norm (the torch AMP pattern) is harmless:
-    grads never alias .grad under a scaler, so nothing is unscaled twice. SGD without active
+    grads never appear in .grad, so nothing is unscaled twice. SGD without active
     clipping, so a wrongly scaled grad shows in the params."""
     torch.manual_seed(0)
     model = Net()
