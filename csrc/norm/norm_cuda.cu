@@ -10,39 +10,10 @@
 #include "../kernels.h"
 #include "../multi_tensor/cuda_apply.cuh"
 #include "../multi_tensor/dispatch.h"
+#include "block_reduce.cuh"
 
 namespace shardopt {
 namespace {
-
-template <typename T>
-__device__ __forceinline__ T nan_max(T a, T b) {
-  return (a != a || a > b) ? a : b;
-}
-
-template <typename T>
-__device__ __forceinline__ T combine(T a, T b, bool max_norm) {
-  return max_norm ? nan_max(a, b) : a + b;
-}
-
-// Fixed-shape tree over the block; the result is valid in thread 0. Called once per kernel.
-template <typename T>
-__device__ T block_reduce(T v, bool max_norm) {
-  __shared__ T warp_values[cuda::kBlockSize / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v = combine(v, __shfl_down_sync(0xffffffffu, v, offset), max_norm);
-  }
-  if (threadIdx.x % 32 == 0) warp_values[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    v = threadIdx.x < cuda::kBlockSize / 32 ? warp_values[threadIdx.x] : T(0);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      v = combine(v, __shfl_down_sync(0xffffffffu, v, offset), max_norm);
-    }
-  }
-  return v;
-}
 
 // Pass 1 op over one slot of storage type T; partials are out_t.
 template <typename T, typename out_t>
@@ -63,35 +34,17 @@ struct NormOp {
   }
 
   __device__ void operator()(acc_t (&x)[1], acc_t& acc) const {
-    acc = max_norm ? nan_max(acc, acc_t(fabs(x[0]))) : acc + x[0] * x[0];
+    acc = max_norm ? cuda::nan_max(acc, acc_t(fabs(x[0]))) : acc + x[0] * x[0];
   }
 
   template <typename C>
   __device__ void end(const C& c, acc_t& acc) const {
-    acc = block_reduce(acc, max_norm);
+    acc = cuda::block_reduce(acc, max_norm);
     if (threadIdx.x != 0) return;
     partial[c.unit] = static_cast<out_t>(acc);
-    if (c.chunk == 0) {
-      first[2 * c.tensor] = c.unit;
-      first[2 * c.tensor + 1] = (c.numel + cuda::kChunkSize - 1) / cuda::kChunkSize;
-    }
+    cuda::record_first(c, first);
   }
 };
-
-// Block b reduces in[first[2b] .. first[2b] + first[2b+1]) into out[b]; without `first`, block 0
-// reduces in[0 .. count).
-template <typename T>
-__global__ void __launch_bounds__(cuda::kBlockSize)
-    reduce_kernel(const T* in, const int64_t* first, int64_t count, T* out, bool max_norm) {
-  const int64_t begin = first != nullptr ? first[2 * blockIdx.x] : 0;
-  const int64_t n = first != nullptr ? first[2 * blockIdx.x + 1] : count;
-  T v = T(0);
-  for (int64_t i = threadIdx.x; i < n; i += cuda::kBlockSize) {
-    v = combine(v, in[begin + i], max_norm);
-  }
-  v = block_reduce(v, max_norm);
-  if (threadIdx.x == 0) out[blockIdx.x] = v;
-}
 
 }  // namespace
 
@@ -142,11 +95,11 @@ std::tuple<at::Tensor, at::Tensor> norm_cuda(const TensorList& tensors, bool max
       });
     }
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    reduce_kernel<out_t><<<static_cast<unsigned>(n), cuda::kBlockSize, 0, stream>>>(
+    cuda::reduce_kernel<out_t><<<static_cast<unsigned>(n), cuda::kBlockSize, 0, stream>>>(
         partial.data_ptr<out_t>(), first.data_ptr<int64_t>(), 0, per_tensor.data_ptr<out_t>(),
         max_norm);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    reduce_kernel<out_t><<<1, cuda::kBlockSize, 0, stream>>>(
+    cuda::reduce_kernel<out_t><<<1, cuda::kBlockSize, 0, stream>>>(
         per_tensor.data_ptr<out_t>(), nullptr, n, total.data_ptr<out_t>(), max_norm);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
