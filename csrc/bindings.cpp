@@ -29,14 +29,19 @@ void bind_backend(py::module_& m, Adam adam, Sgd sgd, Adagrad adagrad, Lamb1 lam
         py::arg("adagrad_w_mode"), py::arg("lr_t") = py::none(),
         py::arg("grad_scale_t") = py::none(), py::arg("found_inf_t") = py::none());
   m.def("lamb_stage1", lamb_stage1,
-        "LAMB moments and update term over [grad, param, exp_avg, exp_avg_sq, update]",
+        "LAMB moments over [grad, param, exp_avg, exp_avg_sq]; returns the per-tensor sums of "
+        "squares (w_sq, u_sq) of the param before the update and of the update term",
         py::arg("lists"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("step"),
         py::arg("bias_correction"), py::arg("weight_decay"), py::arg("grad_averaging"),
         py::arg("adam_w_mode"), py::arg("step_t") = py::none(),
         py::arg("grad_scale_t") = py::none(), py::arg("found_inf_t") = py::none());
-  m.def("lamb_stage2", lamb_stage2, "LAMB trust-ratio apply over [param, update(, out)]",
-        py::arg("lists"), py::arg("w_norm"), py::arg("u_norm"), py::arg("lr"),
-        py::arg("weight_decay"), py::arg("use_nvlamb"), py::arg("lr_t") = py::none(),
+  m.def("lamb_stage2", lamb_stage2,
+        "LAMB trust-ratio apply over [param, exp_avg, exp_avg_sq(, out)]: recomputes the update "
+        "term from the moments stage 1 stored",
+        py::arg("lists"), py::arg("w_norm"), py::arg("u_norm"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("step"), py::arg("bias_correction"),
+        py::arg("weight_decay"), py::arg("adam_w_mode"), py::arg("use_nvlamb"),
+        py::arg("lr_t") = py::none(), py::arg("step_t") = py::none(),
         py::arg("found_inf_t") = py::none());
   m.def("novograd", novograd, "NovoGrad update over [grad, param, exp_avg(, out)]",
         py::arg("lists"), py::arg("v_norm"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),

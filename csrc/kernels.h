@@ -11,6 +11,13 @@
 //   found_inf_t  when nonzero the kernel changes nothing (skipped step)
 // An optional trailing "out" slot receives the updated param cast to its dtype (fp32 master in,
 // low-precision param out, same pass).
+//
+// LAMB is two calls so per-tensor norms can be reduced across shards in between: lamb_stage1
+// updates the moments over [grad, param, exp_avg, exp_avg_sq] and returns the per-tensor sums of
+// squares (w_sq, u_sq) of the param before the update and of the update term, taken in the same
+// pass and deterministically (fp32; fp64 on CPU for fp64 params; zeros for a skipped step);
+// lamb_stage2 recomputes the update term from [param, exp_avg, exp_avg_sq(, out)] and applies the
+// trust ratio from w_norm = sqrt(w_sq), u_norm = sqrt(u_sq). The update term is never stored.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -37,14 +44,15 @@ using OptTensor = std::optional<at::Tensor>;
   void adagrad_##BACKEND(const TensorLists& lists, double lr, double eps, double weight_decay,     \
                          bool adagrad_w_mode, const OptTensor& lr_t,                              \
                          const OptTensor& grad_scale_t, const OptTensor& found_inf_t);            \
-  void lamb_stage1_##BACKEND(const TensorLists& lists, double beta1, double beta2, double eps,    \
-                             int64_t step, bool bias_correction, double weight_decay,             \
-                             bool grad_averaging, bool adam_w_mode, const OptTensor& step_t,      \
-                             const OptTensor& grad_scale_t, const OptTensor& found_inf_t);        \
+  std::tuple<at::Tensor, at::Tensor> lamb_stage1_##BACKEND(                                       \
+      const TensorLists& lists, double beta1, double beta2, double eps, int64_t step,             \
+      bool bias_correction, double weight_decay, bool grad_averaging, bool adam_w_mode,           \
+      const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t);      \
   void lamb_stage2_##BACKEND(const TensorLists& lists, const at::Tensor& w_norm,                  \
-                             const at::Tensor& u_norm, double lr, double weight_decay,            \
-                             bool use_nvlamb, const OptTensor& lr_t,                              \
-                             const OptTensor& found_inf_t);                                       \
+                             const at::Tensor& u_norm, double lr, double beta1, double beta2,     \
+                             double eps, int64_t step, bool bias_correction, double weight_decay, \
+                             bool adam_w_mode, bool use_nvlamb, const OptTensor& lr_t,            \
+                             const OptTensor& step_t, const OptTensor& found_inf_t);              \
   void novograd_##BACKEND(const TensorLists& lists, const at::Tensor& v_norm, double lr,          \
                           double beta1, double beta2, double eps, int64_t step,                   \
                           bool bias_correction, double weight_decay, bool grad_averaging,         \

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -84,27 +85,48 @@ def _call(
     *args,
     per_tensor: Sequence[Tensor] = (),
     **kwargs,
-) -> None:
+) -> list[tuple[list[int], Any]]:
     """Runs kernel ``name`` once per dtype group of ``lists``.
 
-    ``per_tensor`` vectors (one entry per tensor position) are sliced to each group.
+    ``per_tensor`` vectors (one entry per tensor position) are sliced to each group. Returns each
+    group's tensor positions with the kernel's result for them.
     """
     lists = [list(lst) for lst in lists if lst is not None]
     if not lists or not lists[0]:
-        return
+        return []
     device = common_device([t for lst in lists for t in lst], "params and grads")
     kernel = getattr(_backend(device), name)
     if device.type == "cuda":
         per_tensor = [v.float() for v in per_tensor]
     groups = _signature_groups(lists)
     if len(groups) == 1:
-        kernel(lists, *per_tensor, *args, **kwargs)
-        return
+        return [(groups[0], kernel(lists, *per_tensor, *args, **kwargs))]
+    results = []
     for idx in groups:
         sub = [[lst[i] for i in idx] for lst in lists]
         index = torch.tensor(idx, device=per_tensor[0].device) if per_tensor else None
         vecs = [v.index_select(0, index) for v in per_tensor]
-        kernel(sub, *vecs, *args, **kwargs)
+        results.append((idx, kernel(sub, *vecs, *args, **kwargs)))
+    return results
+
+
+def _per_tensor_results(
+    results: list[tuple[list[int], tuple[Tensor, ...]]], n: int
+) -> tuple[Tensor, ...]:
+    """Per-group result vectors of a ``_call`` assembled into full-length vectors (caller order)."""
+    if len(results) == 1:
+        return tuple(results[0][1])
+    out = []
+    for k in range(len(results[0][1])):
+        parts = [(idx, res[k]) for idx, res in results]
+        dtype = parts[0][1].dtype
+        for _, v in parts[1:]:
+            dtype = torch.promote_types(dtype, v.dtype)
+        full = torch.zeros(n, dtype=dtype, device=parts[0][1].device)
+        for idx, v in parts:
+            full.index_copy_(0, torch.tensor(idx, device=full.device), v.to(dtype))
+        out.append(full)
+    return tuple(out)
 
 
 def adam(lists: TensorLists, **kwargs) -> None:
@@ -122,13 +144,23 @@ def adagrad(lists: TensorLists, **kwargs) -> None:
     _call("adagrad", lists, **kwargs)
 
 
-def lamb_stage1(lists: TensorLists, **kwargs) -> None:
-    """LAMB moments and update term over [grad, param, exp_avg, exp_avg_sq, update]."""
-    _call("lamb_stage1", lists, **kwargs)
+def lamb_stage1(lists: TensorLists, **kwargs) -> tuple[Tensor, Tensor]:
+    """LAMB moments over [grad, param, exp_avg, exp_avg_sq]; see csrc/kernels.h.
+
+    Returns per-tensor sums of squares ``(w_sq, u_sq)`` of the params (before the update) and of
+    the update terms, in the order of ``lists``, on the tensors' device: fp32 (fp64 on CPU when
+    every param is fp64); zeros for a skipped step.
+    """
+    results = _call("lamb_stage1", lists, **kwargs)
+    if not results:
+        empty = torch.zeros(0, dtype=torch.float32)
+        return empty, empty.clone()
+    w_sq, u_sq = _per_tensor_results(results, len(lists[0]))
+    return w_sq, u_sq
 
 
 def lamb_stage2(lists: TensorLists, w_norm: Tensor, u_norm: Tensor, **kwargs) -> None:
-    """LAMB trust-ratio apply over [param, update(, out)] with per-tensor norms."""
+    """LAMB trust-ratio apply over [param, exp_avg, exp_avg_sq(, out)] with per-tensor norms."""
     _call("lamb_stage2", lists, per_tensor=(w_norm, u_norm), **kwargs)
 
 

@@ -1,10 +1,11 @@
-"""The norm and scale kernels through shardopt._ops: determinism, accuracy, inf/nan, dtypes."""
+"""The norm, scale and LAMB stage kernels through shardopt._ops: determinism, accuracy, inf/nan,
+dtypes."""
 
 import math
 
 import pytest
 import torch
-from conftest import DTYPES, make_tensors, skip_unsupported
+from conftest import DTYPES, assert_close_to, make_tensors, skip_unsupported
 
 from shardopt import _ops
 
@@ -136,3 +137,132 @@ def test_scale_of_empty_list_is_a_noop():
     flag = torch.zeros(1)
     _ops.scale([], [], flag, scale=2.0)
     assert flag.item() == 0.0
+
+
+# -- LAMB stages: per-tensor sums of squares taken in the moment pass ---------------------------
+
+LAMB_ARGS = dict(beta1=0.9, beta2=0.99, eps=1e-6, step=3, bias_correction=True, weight_decay=0.1)
+# (grad dtype, param dtype): the dtype signatures FusedLAMB hands the kernels (masters: bf16 grad)
+LAMB_SIGNATURES = [
+    pytest.param(torch.float32, torch.float32, id="fp32"),
+    pytest.param(torch.float16, torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, torch.bfloat16, id="bf16"),
+    pytest.param(torch.float64, torch.float64, id="fp64"),
+    pytest.param(torch.bfloat16, torch.float32, id="bf16-grad-fp32-master"),
+]
+
+
+def _lamb_inputs(shapes, grad_dtype, param_dtype, device):
+    """[grads, params, exp_avg, exp_avg_sq] with nonzero moments (state in the acc dtype)."""
+    acc = torch.float64 if param_dtype == torch.float64 else torch.float32
+    grads = make_tensors(shapes, grad_dtype, device)
+    params = make_tensors(shapes, param_dtype, device)
+    exp_avg = make_tensors(shapes, acc, device, std=0.1)
+    exp_avg_sq = [(t * t).to(acc).to(device) for t in make_tensors(shapes, torch.float32, device)]
+    return [grads, params, exp_avg, exp_avg_sq]
+
+
+def _clone(lists):
+    return [[t.clone() for t in lst] for lst in lists]
+
+
+def _stage1(lists, adam_w_mode=True, **kwargs):
+    return _ops.lamb_stage1(
+        lists, grad_averaging=True, adam_w_mode=adam_w_mode, **LAMB_ARGS, **kwargs
+    )
+
+
+def _reference_sums(lists, grad_scale, adam_w_mode):
+    """fp64 (w_sq, u_sq, exp_avg, exp_avg_sq) from the inputs, with torch ops (SPEC's math)."""
+    b1, b2, eps, wd, t = (LAMB_ARGS[k] for k in ("beta1", "beta2", "eps", "weight_decay", "step"))
+    w_sq, u_sq, ms, vs = [], [], [], []
+    for g, p, m, v in zip(*[[x.detach().cpu().double() for x in lst] for lst in lists]):
+        g = g * grad_scale
+        if not adam_w_mode:
+            g = g + wd * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        u = (m / (1 - b1**t)) / (torch.sqrt(v / (1 - b2**t)) + eps)
+        if adam_w_mode:
+            u = u + wd * p
+        w_sq.append((p * p).sum())
+        u_sq.append((u * u).sum())
+        ms.append(m)
+        vs.append(v)
+    return torch.stack(w_sq), torch.stack(u_sq), ms, vs
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize("grad_dtype, param_dtype", LAMB_SIGNATURES)
+def test_lamb_stage1_sums_match_fp64(grad_dtype, param_dtype, adam_w_mode, device):
+    skip_unsupported(param_dtype, device)
+    lists = _lamb_inputs(_shapes(device), grad_dtype, param_dtype, device)
+    want_w, want_u, want_m, want_v = _reference_sums(lists, 0.5, adam_w_mode)
+    grad_scale_t = torch.tensor([0.5], device=device)
+    w_sq, u_sq = _stage1(lists, adam_w_mode=adam_w_mode, grad_scale_t=grad_scale_t)
+    acc = torch.float64 if param_dtype == torch.float64 else torch.float32
+    assert w_sq.dtype == u_sq.dtype == acc
+    assert w_sq.shape == u_sq.shape == (len(lists[0]),) and w_sq.device == device
+    rtol = NORM_TOL[param_dtype]
+    torch.testing.assert_close(w_sq.sqrt().double().cpu(), want_w.sqrt(), rtol=rtol, atol=0)
+    torch.testing.assert_close(u_sq.sqrt().double().cpu(), want_u.sqrt(), rtol=rtol, atol=0)
+    assert w_sq[4].item() == u_sq[4].item() == 0.0  # the empty tensor
+    for i, (m, v) in enumerate(zip(lists[2], lists[3])):  # the moments were updated in place
+        assert_close_to(m, want_m[i], acc, f"exp_avg {i}")
+        assert_close_to(v, want_v[i], acc, f"exp_avg_sq {i}")
+
+
+def test_lamb_stage1_sums_are_bitwise_deterministic_across_runs_and_thread_counts(device):
+    lists = _lamb_inputs(_shapes(device), torch.float32, torch.float32, device)
+    first = _stage1(_clone(lists))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, threads):
+            torch.set_num_threads(n)
+            for _ in range(2):
+                w_sq, u_sq = _stage1(_clone(lists))
+                assert torch.equal(w_sq, first[0]) and torch.equal(u_sq, first[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_lamb_stage1_sums_of_mixed_dtypes_come_back_in_caller_order(device):
+    """One call with several dtype signatures (one kernel launch each) gives the same per-tensor
+    sums, in the caller's order, as a call per tensor."""
+    signatures = [(torch.float32, torch.float32), (torch.float16, torch.float16)]
+    signatures += [(torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
+    if device.type == "cpu":
+        signatures.append((torch.float64, torch.float64))
+    shapes = [(_ops.chunk_size(device) + 5,), (7,), (300,), (1,), (9,)]
+    parts = [_lamb_inputs([s], g, p, device) for s, (g, p) in zip(shapes, signatures)]
+    lists = [[part[k][0] for part in parts] for k in range(4)]
+    w_sq, u_sq = _stage1(_clone(lists))
+    acc = torch.float64 if device.type == "cpu" else torch.float32
+    assert w_sq.dtype == u_sq.dtype == acc and w_sq.shape == (len(parts),)
+    for i, part in enumerate(parts):
+        w_one, u_one = _stage1(_clone(part))
+        assert w_sq[i].item() == w_one.item() and u_sq[i].item() == u_one.item()
+
+
+def test_lamb_found_inf_leaves_param_and_moments_unchanged_through_both_stages(device):
+    lists = _lamb_inputs(_shapes(device), torch.float32, torch.float32, device)
+    start = _clone(lists)
+    found_inf_t = torch.ones(1, device=device)
+    w_sq, u_sq = _stage1(lists, found_inf_t=found_inf_t)
+    assert not w_sq.any() and not u_sq.any()
+    params, exp_avg, exp_avg_sq = lists[1:]
+    outs = [torch.full_like(p, 7.0, dtype=torch.bfloat16) for p in params]
+    out_start = [o.clone() for o in outs]
+    _ops.lamb_stage2(
+        [params, exp_avg, exp_avg_sq, outs],
+        torch.ones(len(params), device=device),
+        torch.ones(len(params), device=device),
+        lr=0.1,
+        adam_w_mode=True,
+        use_nvlamb=True,
+        found_inf_t=found_inf_t,
+        **LAMB_ARGS,
+    )
+    for k in range(1, 4):
+        assert all(torch.equal(a, b) for a, b in zip(lists[k], start[k], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(outs, out_start, strict=True))

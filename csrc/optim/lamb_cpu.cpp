@@ -1,5 +1,11 @@
-// LAMB on CPU tensors: stage 1 (moments, update term) and stage 2 (trust ratio, apply) over
-// lamb_math.h. Per-tensor norms between the stages come from norm_cpu (or across shards).
+// LAMB on CPU tensors over lamb_math.h, in two passes. Stage 1 updates the moments and returns the
+// per-tensor sums of squares of the param (before the update) and of the update term u, taken in
+// the same pass and deterministically as norm_cpu does: each work item's partials go to its own
+// slot and are combined per tensor in item order, so the sums do not depend on the thread count.
+// Stage 2 recomputes u from p, m, v and applies the trust ratio; u is never stored.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
 #include "../kernels.h"
 #include "../multi_tensor/cpu_apply.h"
 #include "../multi_tensor/dispatch.h"
@@ -7,14 +13,23 @@
 
 namespace shardopt {
 
-void lamb_stage1_cpu(const TensorLists& lists, double beta1, double beta2, double eps,
-                     int64_t step, bool bias_correction, double weight_decay, bool grad_averaging,
-                     bool adam_w_mode, const OptTensor& step_t, const OptTensor& grad_scale_t,
-                     const OptTensor& found_inf_t) {
+std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
+    const TensorLists& lists, double beta1, double beta2, double eps, int64_t step,
+    bool bias_correction, double weight_decay, bool grad_averaging, bool adam_w_mode,
+    const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t) {
   using namespace lamb;
-  TORCH_CHECK(lists.size() == kStage1Depth, "lamb_stage1: expected ", kStage1Depth, " lists");
-  check_tensor_lists(lists, kStage1Depth, c10::DeviceType::CPU, "lamb_stage1");
-  if (lists[0].empty() || cpu::skip_step(found_inf_t)) return;
+  const bool has_out =
+      check_tensor_lists(lists, kStage1Depth, c10::DeviceType::CPU, "lamb_stage1");
+  TORCH_CHECK(!has_out, "lamb_stage1: expected ", kStage1Depth, " tensor lists, got ",
+              lists.size());
+  const int64_t n = static_cast<int64_t>(lists[0].size());
+  // fp64 sums for fp64 params, else fp32 (as norm_cpu)
+  const bool fp64 = n > 0 && lists[kParam][0].scalar_type() == at::kDouble;
+  const auto opts = at::TensorOptions().dtype(fp64 ? at::kDouble : at::kFloat);
+  if (n == 0 || cpu::skip_step(found_inf_t)) return {at::zeros({n}, opts), at::zeros({n}, opts)};
+  const auto items = cpu::work_items(lists[0]);
+  std::vector<double> w_part(items.size(), 0.0);
+  std::vector<double> u_part(items.size(), 0.0);
   const double t = cpu::scalar_or(step_t, static_cast<double>(step));
   dispatch_types(
       lists[kGrad][0].scalar_type(), lists[kParam][0].scalar_type(), std::nullopt, "lamb_stage1",
@@ -23,42 +38,52 @@ void lamb_stage1_cpu(const TensorLists& lists, double beta1, double beta2, doubl
         using acc_t = typename Ty::acc_t;
         cpu::check_state_dtype<acc_t>(lists[kExpAvg], "lamb_stage1", "exp_avg");
         cpu::check_state_dtype<acc_t>(lists[kExpAvgSq], "lamb_stage1", "exp_avg_sq");
-        cpu::check_state_dtype<acc_t>(lists[kUpdate], "lamb_stage1", "update");
-        const Hyper<acc_t> h{static_cast<acc_t>(beta1),
-                             static_cast<acc_t>(beta2),
-                             static_cast<acc_t>(grad_averaging ? 1.0 - beta1 : 1.0),
-                             static_cast<acc_t>(eps),
-                             static_cast<acc_t>(weight_decay),
-                             static_cast<acc_t>(shardopt::bias_correction(beta1, t, bias_correction)),
-                             static_cast<acc_t>(shardopt::bias_correction(beta2, t, bias_correction)),
-                             adam_w_mode};
+        const Hyper<acc_t> h = make_hyper<acc_t>(beta1, beta2, eps, weight_decay, grad_averaging,
+                                                 adam_w_mode, t, bias_correction);
         const acc_t gs = static_cast<acc_t>(cpu::scalar_or(grad_scale_t, 1.0));
         auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
         auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);
         auto m = cpu::pointers<acc_t>(lists[kExpAvg]);
         auto v = cpu::pointers<acc_t>(lists[kExpAvgSq]);
-        auto u = cpu::pointers<acc_t>(lists[kUpdate]);
-        cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+        cpu::apply(items, [&](int64_t item, int64_t k, int64_t s, int64_t e) {
           // local copies: stores through the data pointers cannot alias them, so the loop
           // vectorises
           const auto hl = h;
           const acc_t gsl = gs;
-          (void)gsl;
-          auto* gk = g[k];
-          auto* pk = p[k];
+          const auto* gk = g[k];
+          const auto* pk = p[k];
           acc_t* mk = m[k];
           acc_t* vk = v[k];
-          acc_t* uk = u[k];  // may alias gk (fp32 grads): each element is read before written
+          acc_t w_sq = 0;
+          acc_t u_sq = 0;
+#pragma omp simd reduction(+ : w_sq, u_sq)
           for (int64_t i = s; i < e; ++i) {
-            const acc_t gi = static_cast<acc_t>(gk[i]) * gsl;
-            uk[i] = stage1<acc_t>(static_cast<acc_t>(pk[i]), gi, mk[i], vk[i], hl);
+            const acc_t pi = static_cast<acc_t>(pk[i]);
+            const acc_t ui = stage1<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, mk[i], vk[i], hl);
+            w_sq += pi * pi;
+            u_sq += ui * ui;
           }
+          w_part[item] = static_cast<double>(w_sq);
+          u_part[item] = static_cast<double>(u_sq);
         });
       });
+  std::vector<double> w(n, 0.0);
+  std::vector<double> u(n, 0.0);
+  for (size_t i = 0; i < items.size(); ++i) {  // item order: fixed, whatever the scheduling
+    w[items[i].tensor] += w_part[i];
+    u[items[i].tensor] += u_part[i];
+  }
+  at::Tensor w_sq = at::empty({n}, opts.dtype(at::kDouble));
+  at::Tensor u_sq = at::empty({n}, opts.dtype(at::kDouble));
+  std::copy(w.begin(), w.end(), w_sq.data_ptr<double>());
+  std::copy(u.begin(), u.end(), u_sq.data_ptr<double>());
+  return {w_sq.to(opts.dtype()), u_sq.to(opts.dtype())};
 }
 
 void lamb_stage2_cpu(const TensorLists& lists, const at::Tensor& w_norm, const at::Tensor& u_norm,
-                     double lr, double weight_decay, bool use_nvlamb, const OptTensor& lr_t,
+                     double lr, double beta1, double beta2, double eps, int64_t step,
+                     bool bias_correction, double weight_decay, bool adam_w_mode,
+                     bool use_nvlamb, const OptTensor& lr_t, const OptTensor& step_t,
                      const OptTensor& found_inf_t) {
   using namespace lamb;
   check_tensor_lists(lists, kStage2Depth, c10::DeviceType::CPU, "lamb_stage2");
@@ -71,28 +96,37 @@ void lamb_stage2_cpu(const TensorLists& lists, const at::Tensor& w_norm, const a
   const double* wnp = wn.data_ptr<double>();
   const double* unp = un.data_ptr<double>();
   const double lr_v = cpu::scalar_or(lr_t, lr);
+  const double t = cpu::scalar_or(step_t, static_cast<double>(step));
   dispatch_types(
       lists[kStage2Param][0].scalar_type(), lists[kStage2Param][0].scalar_type(),
       out_dtype(lists, kStage2Depth), "lamb_stage2", [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        cpu::check_state_dtype<acc_t>(lists[kStage2Update], "lamb_stage2", "update");
+        cpu::check_state_dtype<acc_t>(lists[kStage2ExpAvg], "lamb_stage2", "exp_avg");
+        cpu::check_state_dtype<acc_t>(lists[kStage2ExpAvgSq], "lamb_stage2", "exp_avg_sq");
+        // grad_averaging only sets beta3, which stage 2 does not use
+        const Hyper<acc_t> h = make_hyper<acc_t>(beta1, beta2, eps, weight_decay, true,
+                                                 adam_w_mode, t, bias_correction);
         auto p = cpu::pointers<typename Ty::param_t>(lists[kStage2Param]);
-        auto u = cpu::pointers<acc_t>(lists[kStage2Update]);
+        auto m = cpu::pointers<acc_t>(lists[kStage2ExpAvg]);
+        auto v = cpu::pointers<acc_t>(lists[kStage2ExpAvgSq]);
         std::vector<typename Ty::out_t*> o;
         if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kStage2Out]);
         cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+          const auto hl = h;
           const acc_t ratio = trust_ratio_lr<acc_t>(
               static_cast<acc_t>(lr_v), static_cast<acc_t>(wnp[k]), static_cast<acc_t>(unp[k]),
               static_cast<acc_t>(weight_decay), use_nvlamb);
           auto* pk = p[k];
-          const acc_t* uk = u[k];
+          const acc_t* mk = m[k];
+          const acc_t* vk = v[k];
           typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
 #pragma omp simd
           for (int64_t i = s; i < e; ++i) {
-            const acc_t pi = static_cast<acc_t>(pk[i]) - ratio * uk[i];
-            pk[i] = static_cast<typename Ty::param_t>(pi);
-            if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+            const acc_t pi = static_cast<acc_t>(pk[i]);
+            const acc_t pn = pi - ratio * update_term<acc_t>(pi, mk[i], vk[i], hl);
+            pk[i] = static_cast<typename Ty::param_t>(pn);
+            if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pn);
           }
         });
       });

@@ -1,5 +1,7 @@
 // LAMB per-element math (SPEC.md "FusedLAMB"), in two stages so per-tensor norms of the param and
-// of the update can be reduced (across shards, if need be) in between. Shared by lamb_cpu.cpp and
+// of the update can be reduced (across shards, if need be) in between. Stage 1 updates the moments
+// and returns u, which the caller only squares into a per-tensor sum; stage 2 recomputes u from the
+// stored p, m, v with the same update_term, so u never goes to memory. Shared by lamb_cpu.cpp and
 // lamb_cuda.cu.
 #pragma once
 
@@ -8,18 +10,18 @@
 namespace shardopt {
 namespace lamb {
 
-// Stage 1 slots: grad (already multiplied by the clip/unscale factor), param, moments, update out.
+// Stage 1 slots: grad (multiplied by the clip/unscale factor in the kernel), param, moments.
 constexpr int kGrad = 0;
 constexpr int kParam = 1;
 constexpr int kExpAvg = 2;
 constexpr int kExpAvgSq = 3;
-constexpr int kUpdate = 4;
-constexpr int kStage1Depth = 5;
-// Stage 2 slots.
+constexpr int kStage1Depth = 4;
+// Stage 2 slots: the param, the moments stage 1 stored, and the optional low-precision out copy.
 constexpr int kStage2Param = 0;
-constexpr int kStage2Update = 1;
-constexpr int kStage2Out = 2;
-constexpr int kStage2Depth = 2;
+constexpr int kStage2ExpAvg = 1;
+constexpr int kStage2ExpAvgSq = 2;
+constexpr int kStage2Out = 3;
+constexpr int kStage2Depth = 3;
 
 template <typename T>
 struct Hyper {
@@ -28,15 +30,38 @@ struct Hyper {
   bool adam_w_mode;
 };
 
+// The hyperparameters in T with the bias corrections of step t (host and device: t may be read
+// from a device scalar). beta3 only matters to stage 1.
+template <typename T>
+SHARDOPT_HD Hyper<T> make_hyper(double beta1, double beta2, double eps, double weight_decay,
+                                bool grad_averaging, bool adam_w_mode, double t,
+                                bool bias_correction) {
+  return {static_cast<T>(beta1),
+          static_cast<T>(beta2),
+          static_cast<T>(grad_averaging ? 1.0 - beta1 : 1.0),
+          static_cast<T>(eps),
+          static_cast<T>(weight_decay),
+          static_cast<T>(shardopt::bias_correction(beta1, t, bias_correction)),
+          static_cast<T>(shardopt::bias_correction(beta2, t, bias_correction)),
+          adam_w_mode};
+}
+
+// The update term u from the param (before the update) and the updated moments. Both stages call
+// it, so the u whose norm stage 1 takes is the u stage 2 applies.
+template <typename T>
+SHARDOPT_HD T update_term(T p, T m, T v, const Hyper<T>& h) {
+  T u = (m / h.bc1) / (sqrt_of(v / h.bc2) + h.eps);
+  if (h.adam_w_mode) u += h.weight_decay * p;
+  return u;
+}
+
 // Returns the update term u; m and v are updated in place.
 template <typename T>
 SHARDOPT_HD T stage1(T p, T g, T& m, T& v, const Hyper<T>& h) {
   if (!h.adam_w_mode) g += h.weight_decay * p;
   m = h.beta1 * m + h.beta3 * g;
   v = h.beta2 * v + (T(1) - h.beta2) * g * g;
-  T u = (m / h.bc1) / (sqrt_of(v / h.bc2) + h.eps);
-  if (h.adam_w_mode) u += h.weight_decay * p;
-  return u;
+  return update_term(p, m, v, h);
 }
 
 // The per-tensor step size: lr * ||w|| / ||u|| when the trust ratio applies, else lr.

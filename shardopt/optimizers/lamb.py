@@ -1,9 +1,11 @@
 """LAMB: the two-stage update rule and ``FusedLAMB`` (drop-in for apex.optimizers.FusedLAMB).
 
-The math is ``csrc/optim/lamb_math.h``. Stage 1 (moments and update term u) and stage 2 (trust
-ratio and apply) are separate calls so the per-tensor norms of the param and of u can be summed
-across shards in between: ``lamb_stage1_apply`` returns per-tensor partial sums of squares, which
-``DistributedFusedLAMB`` all-reduces and ``FusedLAMB`` uses as they are.
+The math is ``csrc/optim/lamb_math.h``. Stage 1 (moments) and stage 2 (trust ratio and apply) are
+separate calls so the per-tensor norms of the param and of the update term u can be summed across
+shards in between: ``lamb_stage1_apply`` returns per-tensor sums of squares of p and u taken in
+the moment pass, which ``DistributedFusedLAMB`` all-reduces and ``FusedLAMB`` uses as they are;
+stage 2 recomputes u from p, m and v instead of storing it. With the grad-norm pass for clipping,
+a step reads and writes 44 bytes per fp32 param (40 with ``max_grad_norm=0``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import torch
 from shardopt import _ops
 from shardopt.optimizers.fused_optimizer import (
     FusedOptimizer,
-    acc_dtype,
     check_grad,
     reject_amsgrad,
 )
@@ -44,20 +45,19 @@ def lamb_stage1_apply(
     params: Sequence[torch.Tensor],
     exp_avg: Sequence[torch.Tensor],
     exp_avg_sq: Sequence[torch.Tensor],
-    updates: Sequence[torch.Tensor],
     *,
     step: int,
     grad_scale_t: torch.Tensor,
     **scalars: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Moments and update term; returns per-tensor sums of squares (of params, of updates).
+    """Moments; returns per-tensor sums of squares (of params, of update terms), same pass.
 
-    ``params`` are read before the update (LAMB's ||w|| is taken before the step).
+    ``params`` are read before the update (LAMB's ||w|| is taken before the step); the update
+    term is not stored: stage 2 recomputes it from the moments.
     """
     beta1, beta2 = group["betas"]
-    _, w_sq = _ops.norm(params)
-    _ops.lamb_stage1(
-        [grads, params, exp_avg, exp_avg_sq, updates],
+    return _ops.lamb_stage1(
+        [grads, params, exp_avg, exp_avg_sq],
         beta1=beta1,
         beta2=beta2,
         eps=group["eps"],
@@ -70,30 +70,42 @@ def lamb_stage1_apply(
         step_t=scalars.get("step_t"),
         found_inf_t=scalars.get("found_inf_t"),
     )
-    _, u_sq = _ops.norm(updates)
-    return w_sq, u_sq
 
 
 def lamb_stage2_apply(
     group: dict,
     params: Sequence[torch.Tensor],
-    updates: Sequence[torch.Tensor],
+    exp_avg: Sequence[torch.Tensor],
+    exp_avg_sq: Sequence[torch.Tensor],
     outs: Sequence[torch.Tensor] | None,
     w_sq: torch.Tensor,
     u_sq: torch.Tensor,
     *,
     lr: float,
+    step: int,
     **scalars: torch.Tensor | None,
 ) -> None:
-    """Trust ratio from the (fully reduced) per-tensor sums of squares, then the apply."""
+    """Trust ratio from the (fully reduced) per-tensor sums of squares, then the apply.
+
+    The update term is recomputed from ``params`` and the moments stage 1 left, with the same
+    ``step`` (or ``step_t``) and hyperparameters.
+    """
+    beta1, beta2 = group["betas"]
     _ops.lamb_stage2(
-        [params, updates] + ([outs] if outs is not None else []),
+        [params, exp_avg, exp_avg_sq] + ([outs] if outs is not None else []),
         w_sq.sqrt(),
         u_sq.sqrt(),
         lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        step=step,
+        bias_correction=group["bias_correction"],
         weight_decay=group["weight_decay"],
+        adam_w_mode=group["adam_w_mode"],
         use_nvlamb=group["use_nvlamb"],
         lr_t=scalars.get("lr_t"),
+        step_t=scalars.get("step_t"),
         found_inf_t=scalars.get("found_inf_t"),
     )
 
@@ -178,16 +190,21 @@ class FusedLAMB(FusedOptimizer):
         for p in params:
             check_grad(p, type(self).__name__)
         grads = [p.grad for p in params]
-        total_sq, _ = _ops.norm(grads)
+        device = grads[0].device
         inv_scale = None
         grad_scale = getattr(self, "grad_scale", None) if self.capturable else None
         if grad_scale is not None:
-            inv_scale = grad_scale.to(total_sq.device).float().reciprocal()
-        norm = total_sq.sqrt()
-        if inv_scale is not None:
-            norm = norm * inv_scale
+            inv_scale = grad_scale.to(device).float().reciprocal()
         # max_grad_norm is read from the constructor defaults (Apex's behaviour).
-        self._grad_scale_t = clip_scale(norm, self.defaults["max_grad_norm"], inv_scale)
+        max_grad_norm = self.defaults["max_grad_norm"]
+        if max_grad_norm > 0:
+            total_sq, _ = _ops.norm(grads)
+            norm = total_sq.sqrt()
+            if inv_scale is not None:
+                norm = norm * inv_scale
+        else:  # no clipping: the pass over the grads for their norm is skipped
+            norm = torch.zeros(1, device=device)
+        self._grad_scale_t = clip_scale(norm, max_grad_norm, inv_scale)
 
     def _update_group(self, group: dict, params: list, grads: list) -> None:
         device = params[0].device
@@ -195,18 +212,26 @@ class FusedLAMB(FusedOptimizer):
         scalars.pop("grad_scale_t", None)
         math_params, outs = self._masters(params)
         exp_avg, exp_avg_sq = self._state_tensors(params)
-        updates = [torch.empty_like(p, dtype=acc_dtype(p.dtype)) for p in math_params]
+        step = self._step_scalar(group)
         w_sq, u_sq = lamb_stage1_apply(
             group,
             grads,
             math_params,
             exp_avg,
             exp_avg_sq,
-            updates,
-            step=self._step_scalar(group),
+            step=step,
             grad_scale_t=self._grad_scale_t.to(device),
             **scalars,
         )
         lamb_stage2_apply(
-            group, math_params, updates, outs, w_sq, u_sq, lr=self._lr_scalar(group), **scalars
+            group,
+            math_params,
+            exp_avg,
+            exp_avg_sq,
+            outs,
+            w_sq,
+            u_sq,
+            lr=self._lr_scalar(group),
+            step=step,
+            **scalars,
         )

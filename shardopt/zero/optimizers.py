@@ -190,9 +190,10 @@ class DistributedFusedAdagrad(DistributedOptimizer):
 class DistributedFusedLAMB(DistributedOptimizer):
     """ZeRO-sharded LAMB: ``FusedLAMB``'s math on this rank's shard.
 
-    The global grad norm is one all-reduced sum of squares; the per-tensor ||w|| and ||u|| are
-    per-fragment partial sums added per param (``index_add``) and all-reduced as one vector of
-    length 2 x #params between stage 1 and stage 2.
+    The global grad norm is one all-reduced sum of squares (skipped when ``max_grad_norm=0``);
+    the per-tensor ||w|| and ||u|| are per-fragment partial sums, returned by stage 1, added per
+    param (``index_add``) and all-reduced as one vector of length 2 x #params between stage 1 and
+    stage 2, which recomputes u from the stored moments.
     """
 
     state_names = ("exp_avg", "exp_avg_sq")
@@ -226,10 +227,15 @@ class DistributedFusedLAMB(DistributedOptimizer):
             use_nvlamb=use_nvlamb,
         )
         super().__init__(params, defaults, **zero_args)
+        # the global grad norm is only needed to clip (max_grad_norm=0: no clipping, no norm pass)
+        self.needs_grad_norm = max_grad_norm > 0
 
     def _update(self, scalars: StepScalars) -> None:
-        norm = scalars.sumsq.sqrt() * scalars.grad_scale_t
-        grad_scale_t = scalars.grad_scale_t * clip_scale(norm, self.defaults["max_grad_norm"])
+        grad_scale_t = scalars.grad_scale_t
+        max_grad_norm = self.defaults["max_grad_norm"]
+        if max_grad_norm > 0:
+            norm = scalars.sumsq.sqrt() * grad_scale_t
+            grad_scale_t = grad_scale_t * clip_scale(norm, max_grad_norm)
         n = len(self.params)
         sums = torch.zeros(2 * n, dtype=torch.float32, device=self.device)
         staged = []
@@ -237,39 +243,38 @@ class DistributedFusedLAMB(DistributedOptimizer):
             group, buf = self.param_groups[key.group_index], key.buffers
             if not buf.fragments:
                 continue
-            updates = (
-                buf.grad_shard
-                if buf.grad_shard.dtype == torch.float32
-                else torch.empty_like(buf.master)
-            )
             masters = buf.per_fragment(buf.master)
-            u = buf.per_fragment(updates)
+            exp_avg = buf.per_fragment(buf.state["exp_avg"])
+            exp_avg_sq = buf.per_fragment(buf.state["exp_avg_sq"])
+            step_t = group["step"].reshape(1)
             w_sq, u_sq = lamb_stage1_apply(
                 group,
                 buf.per_fragment(buf.grad_shard),
                 masters,
-                buf.per_fragment(buf.state["exp_avg"]),
-                buf.per_fragment(buf.state["exp_avg_sq"]),
-                u,
+                exp_avg,
+                exp_avg_sq,
                 step=0,
                 grad_scale_t=grad_scale_t,
-                step_t=group["step"].reshape(1),
+                step_t=step_t,
                 found_inf_t=scalars.found_inf_t,
             )
             index = self._fragment_index(key)
             sums[:n].index_add_(0, index, w_sq.to(self.device, torch.float32))
             sums[n:].index_add_(0, index, u_sq.to(self.device, torch.float32))
-            staged.append((key, group, masters, u, index))
+            staged.append((key, group, masters, exp_avg, exp_avg_sq, step_t, index))
         comm.all_reduce(sums, self.process_group)
-        for key, group, masters, u, index in staged:
+        for key, group, masters, exp_avg, exp_avg_sq, step_t, index in staged:
             lamb_stage2_apply(
                 group,
                 masters,
-                u,
+                exp_avg,
+                exp_avg_sq,
                 self._fragment_outs(key),
                 sums[:n].index_select(0, index),
                 sums[n:].index_select(0, index),
                 lr=float(group["lr"]),
+                step=0,
+                step_t=step_t,
                 found_inf_t=scalars.found_inf_t,
             )
 
