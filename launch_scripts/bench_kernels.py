@@ -67,10 +67,18 @@ TRAFFIC = {
     "lamb": Traffic(
         param=3,
         grad=2,
-        state=4,
-        temp=2,
-        note="grad norm: read g; stage 1: read g,p,m,v, write m,v,u (u fp32, norms of p and u "
-        "fused into stage 1); stage 2: read p,u, write p (fp32: 44 B/param)",
+        state=6,
+        temp=0,
+        note="grad norm (clipping): read g; stage 1: read g,p,m,v, write m,v (sums of squares "
+        "of p and u in the same pass, u not stored); stage 2: read p,m,v (u recomputed), write p "
+        "(fp32: 44 B/param)",
+    ),
+    "lamb_noclip": Traffic(
+        param=3,
+        grad=1,
+        state=6,
+        temp=0,
+        note="max_grad_norm=0: no grad-norm pass; stages 1 and 2 as lamb (fp32: 40 B/param)",
     ),
     "novograd": Traffic(
         param=2,
@@ -86,6 +94,7 @@ SHARDOPT_CLASSES = {
     "sgd": ("FusedSGD", {"momentum": 0.9}),
     "adagrad": ("FusedAdagrad", {}),
     "lamb": ("FusedLAMB", {"weight_decay": 0.01}),
+    "lamb_noclip": ("FusedLAMB", {"weight_decay": 0.01, "max_grad_norm": 0.0}),
     "novograd": ("FusedNovoGrad", {}),
 }
 
