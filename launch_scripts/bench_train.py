@@ -6,7 +6,7 @@ optimizer step and zero_grad between CUDA events), the optimizer step alone (aft
 shardopt's finish_grad_sync() is called before it, as DDP and FSDP2 finish theirs in backward),
 the peak memory per GPU and the global tokens/s; plus the reduce-scatter and all-gather bus
 bandwidth of the collective library at the full gradient size in one call, and at the engine's
-bucket size and 4x that (one bucket alone, and the full gradient split into such buckets)::
+bucket size, 4x and 16x that (one bucket alone, and the full gradient split into such buckets)::
 
     torchrun --standalone --nproc-per-node 2 launch_scripts/bench_train.py --out bench_train.json
     torchrun --standalone --nproc-per-node 2 launch_scripts/bench_train.py --device cpu \\
@@ -590,7 +590,7 @@ def main() -> None:
         )
     if not args.no_comm:
         cases = [("full grads, one call", n_params, 1)]
-        for cap in (bucket_cap_mb, BIG_BUCKET_SCALE * bucket_cap_mb):
+        for cap in (bucket_cap_mb, BIG_BUCKET_SCALE * bucket_cap_mb, 16 * bucket_cap_mb):
             bucket_numel = min(int(cap * 2**20) // 4, n_params)
             buckets = math.ceil(n_params / bucket_numel)
             cases += [

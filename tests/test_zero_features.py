@@ -263,8 +263,9 @@ def adamw_state_dict_imports(rank, world):
 
 
 def memory_matches_formula(rank, world):
-    # documented in docs/design.md: bytes per param = P + (G + M + 4 * S) / N (+ padding), where
-    # M = 0 for fp32 params (the master is the param shard) and 4 otherwise; no full grad buffer
+    # documented in the README: persistent bytes per param = P + (M + 4 * S) / N (+ padding),
+    # M = 0 for fp32 params (the master is the param shard) and 4 otherwise; grads (G / N for the
+    # grad shard) are transient
     for dtype, grad_dtype, states in (
         (torch.float32, torch.float32, 2),
         (torch.bfloat16, torch.float32, 2),
@@ -275,8 +276,15 @@ def memory_matches_formula(rank, world):
         n = sum(p.numel() for p in params)
         p_b, g_b = dtype.itemsize, grad_dtype.itemsize
         m_b = 0 if dtype == torch.float32 else 4
-        expected = n * (p_b + (g_b + m_b + 4 * states) / world)
+        expected = n * (p_b + (m_b + 4 * states) / world)
         total = sum(opt.memory_bytes().values())
+        assert opt.keys[0].buffers._grad_shard is None
+        sum(p.float().sum() for p in params).backward()
+        opt.finish_grad_sync()
+        shard = opt.keys[0].buffers.grad_shard
+        assert shard.numel() * shard.element_size() == pytest.approx(n * g_b / world, rel=0.02)
+        opt.step()
+        assert opt.keys[0].buffers._grad_shard is None
         assert expected * (1 - 1e-9) <= total <= expected * 1.02, (
             dtype,
             grad_dtype,
@@ -308,7 +316,7 @@ def transient_grad_buckets_bounded(rank, world):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * world + rank))
         model(x).square().mean().backward()
         opt.step()
-        assert all(not k.buffers.grad_buckets for k in opt.keys)
+        assert all(not k.buffers.grad_buckets and k.buffers._grad_shard is None for k in opt.keys)
         ref_grads = []
         for r in range(world):
             xr = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * world + r))

@@ -293,8 +293,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._grad_synced = False
         self._arrived: set[int] = set()
         self._written: set[int] = set()  # params whose grads are in a live grad bucket
+        # transient grad buffers go back to the allocator; anything that read them (the update
+        # kernels) was queued on this stream, so reuse is ordered after it
         for key in self.keys:
             key.buffers.grad_buckets.clear()
+            key.buffers.release_grad_shard()
         self._sumsq: torch.Tensor | None = None
 
     def _grad_hook(self, p: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ Per key:
   - grad buckets: TRANSIENT per-bucket gradient buffers in the grad-sync dtype, allocated when a
     bucket's first gradient arrives and released once its reduce-scatter is done (they live across
     backward passes only under ``no_sync``); there is no full-size gradient buffer;
-  - ``grad_shard``: this rank's reduce-scattered (summed) gradient chunks;
+  - ``grad_shard``: this rank's reduce-scattered (summed) gradient chunks, also transient: allocated
+    by the first reduce-scatter of an iteration and released at the end of ``step()``;
   - ``master`` and one tensor per optimizer state: this rank's shard in the state dtype. When the
     params are fp32 and gathered in fp32 the master is not a copy: it is this rank's chunks of
     ``param_space`` (a ``ChunkedShard``), so the kernel updates the params in place and the
@@ -84,7 +85,7 @@ class KeyBuffers:
             if param_sync_dtype == param_dtype
             else torch.zeros(space, dtype=param_sync_dtype, device=device)
         )
-        self.grad_shard = torch.zeros(shard, dtype=grad_sync_dtype, device=device)
+        self._grad_shard: torch.Tensor | None = None
         #: the master IS this rank's chunks of the params (fp32 params gathered in fp32)
         self.master_is_param = param_dtype == state_dtype and self.sync_space is self.param_space
         self.master: Shard = (
@@ -96,7 +97,20 @@ class KeyBuffers:
         self.fragments = layout.rank_fragments(rank)
         self.grad_buckets: dict[int, torch.Tensor] = {}  # live transient grad buffers
 
-    # -- transient grad buckets ------------------------------------------------------------------
+    # -- transient grad buffers ------------------------------------------------------------------
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's reduce-scattered grads, allocated (uninitialised) on first use: every
+        bucket's reduce-scatter writes its chunk before anything reads it."""
+        if self._grad_shard is None:
+            self._grad_shard = torch.empty(
+                self.layout.shard_numel, dtype=self.grad_dtype, device=self.device
+            )
+        return self._grad_shard
+
+    def release_grad_shard(self) -> None:
+        self._grad_shard = None
 
     def grad_bucket(self, bucket: int) -> torch.Tensor:
         """The grad buffer of a bucket, allocated (uninitialised) on first use."""
@@ -160,10 +174,9 @@ class KeyBuffers:
 
     def bytes(self) -> dict[str, int]:
         """Bytes held per persistent buffer (``sync_space`` only when separate, ``master`` 0 when
-        it is the param chunks); transient grad buckets are not counted."""
+        it is the param chunks); the transient grad buckets and grad shard are not counted."""
         out = {
             "param_space": self.param_space.numel() * self.param_space.element_size(),
-            "grad_shard": self.grad_shard.numel() * self.grad_shard.element_size(),
             "master": 0
             if self.master_is_param
             else self.master.numel() * self.master.element_size(),
