@@ -358,6 +358,47 @@ def misuse_frozen_then_unfrozen(rank, world):
         opt.step()
 
 
+def capturable_tensor_lr(rank, world):
+    """capturable=True with a device-tensor lr (what a CUDA-graph capture needs): same result as
+    a float lr changed on the host; loading a state dict keeps the lr and step tensors bound."""
+    for cls, kw in (
+        (shardopt.DistributedFusedAdam, dict(weight_decay=0.1)),
+        (shardopt.DistributedFusedLAMB, dict(weight_decay=0.1)),
+        (shardopt.DistributedFusedSGD, dict(momentum=0.9)),
+        (shardopt.DistributedFusedAdagrad, {}),
+        (shardopt.DistributedFusedNovoGrad, dict(weight_decay=0.1)),
+    ):
+        torch.manual_seed(0)
+        model = Net()
+        ref = copy.deepcopy(model)
+        lr = torch.tensor(0.05)
+        opt = cls(model.parameters(), lr=lr, capturable=True, bucket_cap_mb=64 * 4 / 2**20, **kw)
+        ref_opt = cls(ref.parameters(), lr=0.05, bucket_cap_mb=64 * 4 / 2**20, **kw)
+        for step in range(3):
+            _loss(model, *_data(step, rank)).backward()
+            opt.step()
+            _loss(ref, *_data(step, rank)).backward()
+            ref_opt.step()
+            lr.fill_(0.05 / (step + 2))  # a scheduler writing into the tensor
+            ref_opt.param_groups[0]["lr"] = 0.05 / (step + 2)
+        _assert_same(model, ref)
+        step_t = opt.param_groups[0]["step"]
+        opt.load_state_dict(ref_opt.state_dict())
+        assert opt.param_groups[0]["lr"] is lr and opt.param_groups[0]["step"] is step_t
+        assert float(step_t) == 3.0
+
+
+def misuse_capturable(rank, world):
+    model = Net()
+    with pytest.raises(ValueError, match="overlap_param_sync=False"):
+        shardopt.DistributedFusedAdam(model.parameters(), capturable=True, overlap_param_sync=True)
+    opt = shardopt.DistributedFusedAdam(model.parameters(), capturable=True)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(model, *_data(0, rank))).backward()
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        scaler.step(opt)
+
+
 def overlap_param_sync_waits_in_forward(rank, world):
     torch.manual_seed(0)
     model = Net()
@@ -388,6 +429,8 @@ CASES = [
     misuse_params_differ,
     misuse_ddp_wrapped,
     misuse_frozen_then_unfrozen,
+    capturable_tensor_lr,
+    misuse_capturable,
     overlap_param_sync_waits_in_forward,
 ]
 

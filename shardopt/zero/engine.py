@@ -55,6 +55,17 @@ ALIGN_BYTES = 128
 MAX_GRAD_BUCKETS_IN_FLIGHT = 2
 
 
+def _set_hyper(group: dict, name: str, value: Any) -> None:
+    """Sets a loaded hyperparameter; a tensor one (lr of a captured step) is updated in place."""
+    current = group.get(name)
+    if torch.is_tensor(current):
+        current.fill_(float(value))
+    elif isinstance(current, tuple):
+        group[name] = tuple(value)
+    else:
+        group[name] = value
+
+
 @dataclass
 class _Key:
     """One (param group, param dtype) set of params, its plan and its buffers."""
@@ -98,6 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         average_grad_sync: bool = True,
         overlap_grad_sync: bool = True,
         overlap_param_sync: bool = False,
+        capturable: bool = False,
     ) -> None:
         name = type(self).__name__
         comm.require_initialized(name)
@@ -113,6 +125,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ):
             if value not in (None, torch.float32, torch.float16, torch.bfloat16, torch.float64):
                 raise TypeError(f"{name}: {arg} must be a floating dtype, got {value}")
+        if capturable and overlap_param_sync:
+            raise ValueError(
+                f"{name}: capturable=True needs the param all-gathers to finish inside step() "
+                "(a CUDA graph must join all its work); use overlap_param_sync=False"
+            )
         if bucket_cap_mb <= 0:
             raise ValueError(f"{name}: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.process_group = process_group
@@ -128,6 +145,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.average_grad_sync = average_grad_sync
         self.overlap_grad_sync = overlap_grad_sync
         self.overlap_param_sync = overlap_param_sync
+        self.capturable = capturable
         self.bucket_cap_mb = bucket_cap_mb
 
         # Params in param-group order; frozen ones get no buckets and no state.
@@ -483,6 +501,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _step_scalars(self, grad_scaler) -> StepScalars:
         scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        if scaler is not None and self.capturable:
+            raise RuntimeError(
+                f"{type(self).__name__}: capturable=True does not support a GradScaler (its "
+                "update() runs on the host between steps); train in bf16 or without capture"
+            )
         grad_scale = torch.full((1,), self._grad_factor(), dtype=torch.float32, device=self.device)
         found_inf = sumsq = None
         if scaler is not None or self._max_norm is not None or self.needs_grad_norm:
@@ -501,6 +524,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _update(self, scalars: StepScalars) -> None:
         raise NotImplementedError
+
+    def _lr(self, group: dict) -> dict[str, Any]:
+        """The kernels' lr arguments: a tensor lr (e.g. for a captured step, where a scheduler
+        writes the new value into the tensor) is read on the device, never on the host."""
+        lr = group["lr"]
+        if torch.is_tensor(lr):
+            return {"lr": 0.0, "lr_t": lr.to(self.device, torch.float32).reshape(1)}
+        return {"lr": float(lr)}
 
     def _kernel_scalars(self, group: dict, scalars: StepScalars) -> dict[str, torch.Tensor | None]:
         return {
@@ -643,8 +674,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for gi, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
             for k, v in sg.items():
                 if k in self.defaults:
-                    g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
-            g["step"] = torch.tensor(float(sg["step"]), device=self.device)
+                    _set_hyper(g, k, v)
+            g["step"].fill_(float(sg["step"]))  # in place: a captured step keeps its binding
             extra = dict(sg)
             if "exp_avg_sq" in extra:
                 extra["exp_avg_sq"] = torch.tensor(extra["exp_avg_sq"], dtype=torch.float32)
@@ -761,7 +792,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for k, v in sg.items():
                 if k in ("params", "step") or k not in self.defaults:
                     continue
-                group[k] = v
+                _set_hyper(group, k, v)
             if "step" in sg:
                 step = float(sg["step"])
             else:
@@ -771,7 +802,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     if pid in state_dict["state"] and "step" in state_dict["state"][pid]
                 ]
                 step = max(steps) if steps else 0.0
-            group["step"] = torch.tensor(step, dtype=torch.float32, device=self.device)
+            group["step"].fill_(step)  # in place: a captured step keeps its binding
             self._load_extra_group_state(gi, sg)
         self._publish_masters()
 

@@ -34,6 +34,9 @@ ZERO_ARGS_DOC = """
         overlap_grad_sync: start a bucket's reduce-scatter during backward once its grads are in.
         overlap_param_sync: leave the param all-gathers in flight after step() and wait for them
             just before the next module forward.
+        capturable: the step may be captured in a CUDA graph (with the forward and backward):
+            no host sync, every collective joined before step() returns, lr may be a device
+            tensor; needs overlap_param_sync=False and no GradScaler.
 """
 
 
@@ -86,7 +89,7 @@ class DistributedFusedAdam(DistributedOptimizer):
                 buf.per_bucket(buf.state["exp_avg_sq"]),
                 self._outs(key),
                 step=0,
-                lr=float(group["lr"]),
+                **self._lr(group),
                 **self._kernel_scalars(group, scalars),
             )
 
@@ -136,7 +139,7 @@ class DistributedFusedSGD(DistributedOptimizer):
                 buf.per_bucket(buf.state["momentum_buffer"]),
                 self._outs(key),
                 first_run=first_run,
-                lr=float(group["lr"]),
+                **self._lr(group),
                 grad_scale_t=scalars.grad_scale_t,
                 found_inf_t=scalars.found_inf_t,
             )
@@ -181,7 +184,7 @@ class DistributedFusedAdagrad(DistributedOptimizer):
                 buf.per_bucket(buf.master),
                 buf.per_bucket(buf.state["sum"]),
                 self._outs(key),
-                lr=float(group["lr"]),
+                **self._lr(group),
                 grad_scale_t=scalars.grad_scale_t,
                 found_inf_t=scalars.found_inf_t,
             )
@@ -272,7 +275,7 @@ class DistributedFusedLAMB(DistributedOptimizer):
                 self._fragment_outs(key),
                 sums[:n].index_select(0, index),
                 sums[n:].index_select(0, index),
-                lr=float(group["lr"]),
+                **self._lr(group),
                 step=0,
                 step_t=step_t,
                 found_inf_t=scalars.found_inf_t,
@@ -370,7 +373,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
                 self._fragment_outs(key),
                 self.second_moment.index_select(0, index),
                 step=0,
-                lr=float(group["lr"]),
+                **self._lr(group),
                 **self._kernel_scalars(group, scalars),
             )
 
