@@ -16,9 +16,12 @@ One step (default settings):
      LAMB or a GradScaler needs it; inverse loss scale, averaging and clip coefficient fold into one
      device scalar the kernels read; an inf/nan skips the step on every rank (same all-reduced sum);
   3. the fused update of this rank's shard writes masters, state and (low-precision params) the
-     param chunk in one pass;
+     param chunk in one pass; fp32 params are their own masters (updated in place);
   4. all-gather of every bucket back into the params, in forward order; with
-     ``overlap_param_sync`` each module's forward waits only for its own params' buckets.
+     ``overlap_param_sync`` each module's forward waits only for its own params' buckets;
+     the grad shard is released.
+With ``capturable=True`` nothing in an iteration syncs with the host and every collective is joined
+before ``step()`` returns, so forward, backward and step can be captured in one CUDA graph.
 """
 
 from __future__ import annotations
