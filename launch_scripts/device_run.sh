@@ -2,7 +2,9 @@
 # One call on a lent GPU machine: build the CUDA extension, then run the named stages, logging to
 # $OUT. Stages: tests (pytest -m cuda), parity (NCCL parity suite, 2 GPUs), kernels
 # (bench_kernels.py), train (bench_train.py, 2 GPUs), ckpt (bench_checkpoint.py, 2 GPUs),
-# example (train_gpt.py, 2 GPUs).
+# example (train_gpt.py, 2 GPUs), scaling (bench_train.py at 2, 4, ... up to all GPUs, weak
+# scaling, then the scaling table and plot; for nvidia-h200-x4 / -x8). Multi-GPU stages use
+# every GPU of the machine.
 #   bash launch_scripts/device_run.sh tests parity kernels
 set -uo pipefail
 OUT=${OUT:-/tmp/shardopt-out}
@@ -39,6 +41,15 @@ for s in "$@"; do
           grep -E "rank=|Error" "$OUT/bench_checkpoint.log" | tail -6 ;;
     example) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train_gpt.py \
              --out-dir "$OUT/example" --no-progress > "$OUT/example.log" 2>&1; tail -8 "$OUT/example.log" ;;
+    scaling) runs=()
+             for n in 2 4 8; do
+               [ "$n" -le "$NGPU" ] || continue
+               timeout 400 torchrun --standalone --nproc-per-node "$n" launch_scripts/bench_train.py \
+                 --out "$OUT/bench_train_w$n.json" > "$OUT/bench_train_w$n.log" 2>&1
+               tail -10 "$OUT/bench_train_w$n.log"; runs+=("$OUT/bench_train_w$n.json")
+             done
+             python3 launch_scripts/plot_benchmarks.py --scaling "${runs[@]}" --out "$OUT" \
+               > "$OUT/scaling.md" 2>&1; cat "$OUT/scaling.md" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
