@@ -23,7 +23,8 @@ void bind_backend(py::module_& m, Adam adam, Sgd sgd, Adagrad adagrad, Lamb1 lam
         py::arg("lists"), py::arg("lr"), py::arg("momentum"), py::arg("dampening"),
         py::arg("weight_decay"), py::arg("nesterov"), py::arg("first_run"),
         py::arg("wd_after_momentum"), py::arg("scale"), py::arg("lr_t") = py::none(),
-        py::arg("grad_scale_t") = py::none(), py::arg("found_inf_t") = py::none());
+        py::arg("grad_scale_t") = py::none(), py::arg("found_inf_t") = py::none(),
+        py::arg("first_run_t") = py::none());
   m.def("adagrad", adagrad, "Fused Adagrad update over tensor lists [grad, param, sum(, out)]",
         py::arg("lists"), py::arg("lr"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("adagrad_w_mode"), py::arg("lr_t") = py::none(),

@@ -9,6 +9,7 @@
 //   step_t      the step count t of this update (already advanced, t >= 1)
 //   grad_scale_t multiplier applied to every grad element (inverse loss scale x clip coefficient)
 //   found_inf_t  when nonzero the kernel changes nothing (skipped step)
+//   first_run_t  (sgd) when present, replaces first_run: nonzero initialises the momentum buffers
 // An optional trailing "out" slot receives the updated param cast to its dtype (fp32 master in,
 // low-precision param out, same pass).
 //
@@ -40,7 +41,7 @@ using OptTensor = std::optional<at::Tensor>;
   void sgd_##BACKEND(const TensorLists& lists, double lr, double momentum, double dampening,      \
                      double weight_decay, bool nesterov, bool first_run, bool wd_after_momentum,  \
                      double scale, const OptTensor& lr_t, const OptTensor& grad_scale_t,          \
-                     const OptTensor& found_inf_t);                                               \
+                     const OptTensor& found_inf_t, const OptTensor& first_run_t);                 \
   void adagrad_##BACKEND(const TensorLists& lists, double lr, double eps, double weight_decay,     \
                          bool adagrad_w_mode, const OptTensor& lr_t,                              \
                          const OptTensor& grad_scale_t, const OptTensor& found_inf_t);            \

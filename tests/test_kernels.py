@@ -1,5 +1,5 @@
-"""The norm, scale and LAMB stage kernels through shardopt._ops: determinism, accuracy, inf/nan,
-dtypes."""
+"""The norm, scale, LAMB stage kernels and SGD's device first-run flag through shardopt._ops:
+determinism, accuracy, inf/nan, dtypes."""
 
 import math
 
@@ -266,3 +266,42 @@ def test_lamb_found_inf_leaves_param_and_moments_unchanged_through_both_stages(d
     for k in range(1, 4):
         assert all(torch.equal(a, b) for a, b in zip(lists[k], start[k], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(outs, out_start, strict=True))
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_sgd_device_first_run_flag_matches_host_flag(started, device):
+    """first_run_t (a device flag, so a skipped first step needs no host sync) does what the host
+    first_run does: buffer = grad on the first run, momentum * buffer + (1 - dampening) * grad
+    after; dampening 0.5 makes the two rules differ."""
+    shapes = _shapes(device)
+    grads = make_tensors(shapes, torch.float32, device)
+    results = []
+    for flag in ("host", "device"):
+        params = [torch.ones(s, device=device) for s in shapes]
+        bufs = [torch.full(s, 0.25, device=device) for s in shapes]
+        extra = (
+            {"first_run": not started}
+            if flag == "host"
+            else {
+                "first_run": started,  # ignored: the device flag wins
+                "first_run_t": torch.tensor([0.0 if started else 1.0], device=device),
+            }
+        )
+        _ops.sgd(
+            [grads, params, bufs],
+            lr=0.1,
+            momentum=0.9,
+            dampening=0.5,
+            weight_decay=0.0,
+            nesterov=False,
+            wd_after_momentum=False,
+            scale=1.0,
+            **extra,
+        )
+        results.append((params, bufs))
+    (hp, hb), (dp, db) = results
+    for g, a, b, x, y in zip(grads, hp, dp, hb, db):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+        expected = g if not started else 0.9 * 0.25 + 0.5 * g
+        torch.testing.assert_close(x, expected, rtol=1e-6, atol=1e-7)

@@ -123,36 +123,49 @@ def clip_grad_norm_matches_torch(rank, world):
 
 
 def grad_scaler_skips_same_steps(rank, world):
-    torch.manual_seed(0)
-    model = Net()
-    ref = copy.deepcopy(model)
-    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05, bucket_cap_mb=64 * 4 / 2**20)
-    ref_opt = shardopt.FusedAdam(ref.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
-    poison = {1: ("inf", world - 1), 3: ("nan", 0)}  # step -> (value, rank that injects it)
-    scales = []
-    for step in range(5):
-        loss = _loss(model, *_data(step, rank))
-        poisoned = None
-        if step in poison and poison[step][1] == rank:
-            # an inf/nan on ONE rank must skip the step on every rank
-            bad = float(poison[step][0])
-            poisoned = next(model.parameters()).register_hook(
-                lambda g, bad=bad: torch.full_like(g, bad)
-            )
-        scaler.scale(loss).backward()
-        if poisoned is not None:
-            poisoned.remove()
-        scaler.step(opt)
-        scaler.update()
-        scales.append(scaler.get_scale())
-        if step not in poison:
-            for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
-                p.grad = g
-            ref_opt.step()
-        _assert_same(model, ref)
-    assert scales == [2.0**11, 2.0**10, 2.0**11, 2.0**10, 2.0**11], scales
-    assert int(opt.param_groups[0]["step"].item()) == 3
+    """An inf/nan on one rank skips the step on every rank, the first step included (SGD's
+    momentum buffers then start at the next step, with torch's first-step rule)."""
+    for make, make_ref in (
+        (
+            lambda ps: shardopt.DistributedFusedAdam(ps, lr=0.05, bucket_cap_mb=64 * 4 / 2**20),
+            lambda ps: shardopt.FusedAdam(ps, lr=0.05),
+        ),
+        (
+            lambda ps: shardopt.DistributedFusedSGD(
+                ps, lr=0.5, momentum=0.9, dampening=0.5, bucket_cap_mb=64 * 4 / 2**20
+            ),
+            lambda ps: shardopt.FusedSGD(ps, lr=0.5, momentum=0.9, dampening=0.5),
+        ),
+    ):
+        torch.manual_seed(0)
+        model = Net()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = make(model.parameters()), make_ref(ref.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+        poison = {0: ("inf", world - 1), 3: ("nan", 0)}  # step -> (value, rank that injects it)
+        scales = []
+        for step in range(5):
+            loss = _loss(model, *_data(step, rank))
+            poisoned = None
+            if step in poison and poison[step][1] == rank:
+                # an inf/nan on ONE rank must skip the step on every rank
+                bad = float(poison[step][0])
+                poisoned = next(model.parameters()).register_hook(
+                    lambda g, bad=bad: torch.full_like(g, bad)
+                )
+            scaler.scale(loss).backward()
+            if poisoned is not None:
+                poisoned.remove()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            if step not in poison:
+                for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
+                    p.grad = g
+                ref_opt.step()
+            _assert_same(model, ref)
+        assert scales == [2.0**9, 2.0**10, 2.0**11, 2.0**10, 2.0**11], scales
+        assert int(opt.param_groups[0]["step"].item()) == 3
 
 
 def grad_scaler_unscale_then_clip(rank, world):

@@ -9,7 +9,7 @@ namespace shardopt {
 void sgd_cpu(const TensorLists& lists, double lr, double momentum, double dampening,
              double weight_decay, bool nesterov, bool first_run, bool wd_after_momentum,
              double scale, const OptTensor& lr_t, const OptTensor& grad_scale_t,
-             const OptTensor& found_inf_t) {
+             const OptTensor& found_inf_t, const OptTensor& first_run_t) {
   using namespace sgd;
   check_tensor_lists(lists, kDepth, c10::DeviceType::CPU, "sgd");
   if (lists[0].empty() || cpu::skip_step(found_inf_t)) return;
@@ -24,7 +24,7 @@ void sgd_cpu(const TensorLists& lists, double lr, double momentum, double dampen
                              static_cast<acc_t>(dampening),
                              static_cast<acc_t>(weight_decay),
                              nesterov,
-                             first_run,
+                             cpu::scalar_or(first_run_t, first_run ? 1.0 : 0.0) != 0.0,
                              wd_after_momentum};
         const acc_t gs = static_cast<acc_t>(scale * cpu::scalar_or(grad_scale_t, 1.0));
         auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);

@@ -16,7 +16,8 @@ struct SgdOp : cuda::OpBase {
   using Slots = std::conditional_t<Ty::has_out, cuda::Slots<G, P, acc_t, typename Ty::out_t>,
                                    cuda::Slots<G, P, acc_t>>;
   sgd::Hyper<acc_t> h;
-  double scale;  // host grad multiplier (inverse loss scale)
+  double scale;                        // host grad multiplier (inverse loss scale)
+  const float* first_run_t = nullptr;  // device first_run flag (replaces h.first_run)
 
   struct Ctx {
     sgd::Hyper<acc_t> h;
@@ -35,6 +36,7 @@ struct SgdOp : cuda::OpBase {
   __device__ Ctx begin(const C&) const {
     Ctx ctx{h, static_cast<acc_t>(scale * cuda::value_or(grad_scale_t, 1.0))};
     if (lr_t != nullptr) ctx.h.lr = static_cast<acc_t>(*lr_t);
+    if (first_run_t != nullptr) ctx.h.first_run = *first_run_t != 0.f;
     return ctx;
   }
 
@@ -49,7 +51,7 @@ struct SgdOp : cuda::OpBase {
 void sgd_cuda(const TensorLists& lists, double lr, double momentum, double dampening,
               double weight_decay, bool nesterov, bool first_run, bool wd_after_momentum,
               double scale, const OptTensor& lr_t, const OptTensor& grad_scale_t,
-              const OptTensor& found_inf_t) {
+              const OptTensor& found_inf_t, const OptTensor& first_run_t) {
   using namespace sgd;
   check_tensor_lists(lists, kDepth, c10::DeviceType::CUDA, "sgd");
   if (lists[0].empty()) return;
@@ -66,6 +68,7 @@ void sgd_cuda(const TensorLists& lists, double lr, double momentum, double dampe
         op.lr_t = cuda::device_scalar(lr_t, device, "sgd", "lr_t");
         op.grad_scale_t = cuda::device_scalar(grad_scale_t, device, "sgd", "grad_scale_t");
         op.found_inf_t = cuda::device_scalar(found_inf_t, device, "sgd", "found_inf_t");
+        op.first_run_t = cuda::device_scalar(first_run_t, device, "sgd", "first_run_t");
         op.h = {static_cast<acc_t>(lr),           static_cast<acc_t>(momentum),
                 static_cast<acc_t>(dampening),    static_cast<acc_t>(weight_decay),
                 nesterov,                         first_run,

@@ -97,8 +97,8 @@ class DistributedFusedAdam(DistributedOptimizer):
 class DistributedFusedSGD(DistributedOptimizer):
     """ZeRO-sharded SGD with momentum: ``FusedSGD``'s math on this rank's shard.
 
-    Under a GradScaler the first step reads the overflow flag on the host once, to know whether
-    the momentum buffers were initialised (torch's first-step rule); later steps do not sync.
+    Whether the momentum buffers were initialised (torch's first-step rule: buffer = grad) is a
+    device flag, so a first step skipped by a GradScaler needs no host sync either.
     """
 
     state_names = ("momentum_buffer",)
@@ -124,38 +124,41 @@ class DistributedFusedSGD(DistributedOptimizer):
             wd_after_momentum=wd_after_momentum,
         )
         super().__init__(params, defaults, **zero_args)
-        self._buffers_started = [False] * len(self.param_groups)
+        #: per group, 1 once the momentum buffers hold a momentum (a device flag: the first step
+        #: may be skipped by a GradScaler, and reading that on the host would sync)
+        self._momentum_started = [
+            torch.zeros(1, dtype=torch.float32, device=self.device) for _ in self.param_groups
+        ]
 
     def _update(self, scalars: StepScalars) -> None:
-        started = {}
+        first_run = [1 - started for started in self._momentum_started]  # before any update
         for key in self.keys:
             gi = key.group_index
             group, buf = self.param_groups[gi], key.buffers
-            first_run = group["momentum"] != 0 and not self._buffers_started[gi]
             sgd_apply(
                 group,
                 buf.per_bucket(buf.grad_shard),
                 buf.per_bucket(buf.master),
                 buf.per_bucket(buf.state["momentum_buffer"]),
                 self._outs(key),
-                first_run=first_run,
+                first_run=False,
+                first_run_t=first_run[gi],
                 **self._lr(group),
                 grad_scale_t=scalars.grad_scale_t,
                 found_inf_t=scalars.found_inf_t,
             )
-            if first_run:
-                skipped = scalars.found_inf_t is not None and bool(scalars.found_inf_t.item())
-                started[gi] = not skipped
-        for gi, ok in started.items():
-            self._buffers_started[gi] = ok
+        for started in self._momentum_started:
+            if scalars.found_inf_t is None:
+                started.fill_(1.0)
+            else:  # a skipped step starts nothing
+                torch.maximum(started, 1 - scalars.found_inf_t, out=started)
 
     def _extra_group_state(self, group_index: int) -> dict:
-        return {"momentum_started": self._buffers_started[group_index]}
+        return {"momentum_started": bool(self._momentum_started[group_index].item())}
 
     def _load_extra_group_state(self, group_index: int, saved_group: dict) -> None:
-        self._buffers_started[group_index] = bool(
-            saved_group.get("momentum_started", float(saved_group.get("step", 0)) > 0)
-        )
+        started = saved_group.get("momentum_started", float(saved_group.get("step", 0)) > 0)
+        self._momentum_started[group_index].fill_(float(bool(started)))
 
 
 class DistributedFusedAdagrad(DistributedOptimizer):
