@@ -105,6 +105,11 @@ def parity_LAMB_nvlamb(rank, world):
     parity("LAMB", rank, world, use_nvlamb=True)
 
 
+def parity_LAMB_noclip(rank, world):
+    # max_grad_norm=0: no clipping, so no global-norm pass or all-reduce
+    parity("LAMB", rank, world, max_grad_norm=0.0)
+
+
 def parity_NovoGrad(rank, world):
     parity("NovoGrad", rank, world)
 
@@ -147,6 +152,7 @@ CASES = [
     parity_Adam_l2,
     parity_LAMB,
     parity_LAMB_nvlamb,
+    parity_LAMB_noclip,
     parity_NovoGrad,
     parity_NovoGrad_inf,
     parity_SGD,
