@@ -21,6 +21,11 @@ Modes (params fp32, compute under bf16 autocast, weight decay 0.1 everywhere):
   shardopt_adam_overlap  DistributedFusedAdam(overlap_grad_sync=True, overlap_param_sync=True)
   shardopt_adam_overlap_big  the same with buckets of 4 x the bucket cap (fewer, larger
                          collectives: more bus bandwidth, more transient grad memory)
+  shardopt_adam_graph    DistributedFusedAdam(capturable=True): after the warm-up steps (eager,
+                         on a side stream) one whole step (forward, backward with its
+                         reduce-scatters, optimizer step with its all-gathers) is captured in a
+                         CUDA graph and the timed steps are replays (CUDA only; no separate
+                         optimizer time)
   shardopt_lamb          DistributedFusedLAMB (engine defaults)
 
 With overlap_param_sync the all-gathers finish in the next forward: the optimizer-step time then
@@ -216,6 +221,21 @@ def setup_shardopt_adam_overlap_big(model, device, args) -> Setup:
     )
 
 
+def setup_shardopt_adam_graph(model, device, args) -> Setup:
+    if device.type != "cuda":
+        raise RuntimeError("shardopt_adam_graph needs CUDA (it replays a CUDA graph)")
+    setup = _shardopt(
+        "DistributedFusedAdam",
+        model,
+        args,
+        capturable=True,
+        overlap_grad_sync=True,
+        overlap_param_sync=False,
+    )
+    setup.settings["cuda_graph"] = True
+    return setup
+
+
 def setup_shardopt_lamb(model, device, args) -> Setup:
     return _shardopt("DistributedFusedLAMB", model, args)
 
@@ -227,6 +247,7 @@ MODES: dict[str, Callable[[nn.Module, torch.device, argparse.Namespace], Setup]]
     "shardopt_adam": setup_shardopt_adam,
     "shardopt_adam_overlap": setup_shardopt_adam_overlap,
     "shardopt_adam_overlap_big": setup_shardopt_adam_overlap_big,
+    "shardopt_adam_graph": setup_shardopt_adam_graph,
     "shardopt_lamb": setup_shardopt_lamb,
 }
 BIG_BUCKET_SCALE = 4  # shardopt_adam_overlap_big: buckets of 4x the bucket cap
@@ -280,7 +301,9 @@ def train(setup: Setup, cfg: ModelConfig, device: torch.device, args, start_byte
         torch.cuda.reset_peak_memory_stats(device)
     step_timer, opt_timer = Interval(device), Interval(device)
     losses = []
-    for it in range(args.warmup + args.steps):
+    if setup.settings.get("cuda_graph"):
+        losses = train_graph(setup, idx, targets, args, step_timer)
+    for it in range(0 if setup.settings.get("cuda_graph") else args.warmup + args.steps):
         timed = it >= args.warmup
         if timed:
             step_timer.start()
@@ -313,6 +336,35 @@ def train(setup: Setup, cfg: ModelConfig, device: torch.device, args, start_byte
     if hasattr(setup.opt, "memory_bytes"):
         result["optimizer_gib"] = {k: v / GIB for k, v in setup.opt.memory_bytes().items()}
     return result
+
+
+def train_graph(setup: Setup, idx, targets, args, step_timer: Interval) -> list[torch.Tensor]:
+    """Warm-up steps on a side stream (torch's capture recipe), one step captured in a CUDA
+    graph, then the timed steps as replays; returns the losses."""
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            loss = setup.forward(idx, targets)
+        loss.backward()
+        setup.opt.step()
+        return loss.detach()
+
+    losses = []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(args.warmup, 3)):
+            losses.append(step())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    for _ in range(args.steps):
+        step_timer.start()
+        graph.replay()
+        step_timer.stop()
+        losses.append(static_loss.clone())
+    return losses
 
 
 def run_mode_safely(name: str, cfg: ModelConfig, device: torch.device, args) -> dict[str, Any]:
@@ -612,7 +664,8 @@ def main() -> None:
             else:
                 peak = result.get("peak_gib")
                 print(
-                    f"{name}: step {result['step_ms']:.1f} ms, opt {result['opt_ms']:.1f} ms, "
+                    f"{name}: step {result['step_ms']:.1f} ms, "
+                    + (f"opt {result['opt_ms']:.1f} ms, " if result["opt_ms"] is not None else "")
                     + (f"peak {peak:.1f} GiB, " if peak is not None else "")
                     + f"{result['tokens_per_s']:,.0f} tokens/s, "
                     f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}",
