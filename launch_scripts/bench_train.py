@@ -300,10 +300,37 @@ def train(setup: Setup, cfg: ModelConfig, device: torch.device, args, start_byte
         built_bytes = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     step_timer, opt_timer = Interval(device), Interval(device)
-    losses = []
     if setup.settings.get("cuda_graph"):
         losses = train_graph(setup, idx, targets, args, step_timer)
-    for it in range(0 if setup.settings.get("cuda_graph") else args.warmup + args.steps):
+    else:
+        losses = train_eager(setup, idx, targets, device, args, step_timer, opt_timer)
+    result: dict[str, Any] = {
+        "step_ms": step_timer.median_ms(),
+        "opt_ms": opt_timer.median_ms(),
+        "losses": [float(x) for x in losses],
+        "settings": setup.settings,
+    }
+    if cuda:
+        result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        result["built_gib"] = built_bytes / GIB
+        result["start_gib"] = start_bytes / GIB  # left over from earlier modes: should be ~0
+    if hasattr(setup.opt, "memory_bytes"):
+        result["optimizer_gib"] = {k: v / GIB for k, v in setup.opt.memory_bytes().items()}
+    return result
+
+
+def train_eager(
+    setup: Setup,
+    idx,
+    targets,
+    device: torch.device,
+    args,
+    step_timer: Interval,
+    opt_timer: Interval,
+) -> list[torch.Tensor]:
+    """Warm-up then timed steps, eagerly; returns the losses."""
+    losses = []
+    for it in range(args.warmup + args.steps):
         timed = it >= args.warmup
         if timed:
             step_timer.start()
@@ -323,19 +350,7 @@ def train(setup: Setup, cfg: ModelConfig, device: torch.device, args, start_byte
         if timed:
             step_timer.stop()
         losses.append(loss.detach())
-    result: dict[str, Any] = {
-        "step_ms": step_timer.median_ms(),
-        "opt_ms": opt_timer.median_ms(),
-        "losses": [float(x) for x in losses],
-        "settings": setup.settings,
-    }
-    if cuda:
-        result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-        result["built_gib"] = built_bytes / GIB
-        result["start_gib"] = start_bytes / GIB  # left over from earlier modes: should be ~0
-    if hasattr(setup.opt, "memory_bytes"):
-        result["optimizer_gib"] = {k: v / GIB for k, v in setup.opt.memory_bytes().items()}
-    return result
+    return losses
 
 
 def train_graph(setup: Setup, idx, targets, args, step_timer: Interval) -> list[torch.Tensor]:

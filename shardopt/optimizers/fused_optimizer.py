@@ -66,6 +66,13 @@ def reject_amsgrad(amsgrad: bool, owner: str) -> None:
         raise RuntimeError(f"{owner} does not support the AMSGrad variant.")
 
 
+def device_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """lr as the kernels' 1-element fp32 ``lr_t`` on ``device``; a tensor lr already there is a
+    view, so writing into it (a scheduler, a captured step) changes what the kernels read."""
+    lr_t = lr if torch.is_tensor(lr) else torch.tensor(float(lr))
+    return lr_t.to(device=device, dtype=torch.float32).reshape(1)
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Common machinery of the fused single-process optimizers (not used directly)."""
 
@@ -160,10 +167,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         """lr_t/step_t/grad_scale_t/found_inf_t kernel arguments (all None unless capturable)."""
         if not self.capturable:
             return {}
-        lr = group["lr"]
-        lr_t = lr if torch.is_tensor(lr) else torch.tensor(float(lr))
         scalars = {
-            "lr_t": lr_t.to(device=device, dtype=torch.float32).reshape(1),
+            "lr_t": device_lr(group["lr"], device),
             "step_t": group["step"].to(device=device, dtype=torch.float32).reshape(1),
         }
         grad_scale = getattr(self, "grad_scale", None)

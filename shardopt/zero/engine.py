@@ -41,6 +41,7 @@ from shardopt.optimizers.fused_optimizer import (
     check_grad,
     check_loaded_groups,
     check_param_dtypes,
+    device_lr,
 )
 from shardopt.zero import comm
 from shardopt.zero.flat_buffer import KeyBuffers
@@ -533,7 +534,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         writes the new value into the tensor) is read on the device, never on the host."""
         lr = group["lr"]
         if torch.is_tensor(lr):
-            return {"lr": 0.0, "lr_t": lr.to(self.device, torch.float32).reshape(1)}
+            return {"lr": 0.0, "lr_t": device_lr(lr, self.device)}
         return {"lr": float(lr)}
 
     def _kernel_scalars(self, group: dict, scalars: StepScalars) -> dict[str, torch.Tensor | None]:

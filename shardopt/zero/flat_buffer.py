@@ -121,9 +121,9 @@ class KeyBuffers:
             self.grad_buckets[bucket] = t
         return t
 
-    def release_grad_bucket(self, bucket: int) -> torch.Tensor | None:
-        """Forgets a bucket's grad buffer and returns it (None if it was never allocated)."""
-        return self.grad_buckets.pop(bucket, None)
+    def release_grad_bucket(self, bucket: int) -> None:
+        """Forgets a bucket's grad buffer (whoever still holds it keeps it alive)."""
+        self.grad_buckets.pop(bucket, None)
 
     # -- views -----------------------------------------------------------------------------------
 
