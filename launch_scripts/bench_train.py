@@ -265,8 +265,7 @@ def release(opt: torch.optim.Optimizer | None) -> None:
     if opt is None or not hasattr(opt, "overlap_param_sync"):
         return
     nn.Identity()(torch.zeros(()))
-    for handle in getattr(opt, "_hooks", ()):
-        handle.remove()
+    opt.close()
 
 
 # -- one mode -------------------------------------------------------------------------------------

@@ -309,7 +309,7 @@ def memory_matches_formula(rank, world):
 def transient_grad_buckets_bounded(rank, world):
     """During backward at most MAX_GRAD_BUCKETS_IN_FLIGHT reduce-scatters are unwaited and at
     most two buckets are being filled; after step() no grad buffer is left."""
-    from shardopt.zero.engine import MAX_GRAD_BUCKETS_IN_FLIGHT
+    from shardopt.zero.grad_sync import MAX_GRAD_BUCKETS_IN_FLIGHT
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(12)])
@@ -321,7 +321,8 @@ def transient_grad_buckets_bounded(rank, world):
 
     def record(_):
         live = sum(len(k.buffers.grad_buckets) for k in opt.keys)
-        seen.append((live, len(opt._grad_handles) - opt._next_wait))
+        it = opt.grad_sync.iteration
+        seen.append((live, len(it.handles) - it.next_wait))
 
     for p in model.parameters():  # registered after the optimizer's hooks: runs after them
         p.register_post_accumulate_grad_hook(record)

@@ -21,25 +21,14 @@ from typing import Any
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 
-from shardopt.zero.engine import DistributedOptimizer
+from shardopt.checkpoint import format as fmt
 
 
-def _groups(optimizer: DistributedOptimizer) -> list[dict[str, Any]]:
-    out = []
-    for gi, g in enumerate(optimizer.param_groups):
-        entry = {k: v for k, v in g.items() if k in optimizer.defaults}
-        entry["step"] = int(g["step"].item())
-        extra = optimizer._extra_group_state(gi)
-        entry.update({k: (v.tolist() if torch.is_tensor(v) else v) for k, v in extra.items()})
-        out.append(entry)
-    return out
-
-
-def sharded_state_dict(optimizer: DistributedOptimizer) -> dict[str, Any]:
+def sharded_state_dict(optimizer) -> dict[str, Any]:
     """The optimizer state for ``torch.distributed.checkpoint`` (collective).
 
     ``{"state": {param index: {name: ShardedTensor}}, "param_groups": JSON text}``; the shards
-    are views of the optimizer's buffers.
+    are views of the optimizer's buffers (its ``shard_fragments()``).
     """
     if optimizer.redundant_process_group is not None:
         raise RuntimeError(
@@ -48,47 +37,42 @@ def sharded_state_dict(optimizer: DistributedOptimizer) -> dict[str, Any]:
         )
     optimizer.wait_param_sync()
     rank, group = optimizer.rank, optimizer.process_group
+    by_param: dict[int, list] = {}
+    for frag in optimizer.shard_fragments():
+        by_param.setdefault(frag.param, []).append(frag)
+    # every rank must create the same ShardedTensors, also for params it holds no fragment of
+    trainable = [i for i, p in enumerate(optimizer.all_params) if p.requires_grad]
+    names = list(optimizer.state_names) + ["master_param"]
     state: dict[str, dict[str, Any]] = {}
-    for key in optimizer.keys:
-        buf = key.buffers
-        named = dict(optimizer._shard_tensors(key))
-        named["master_param"] = buf.master
-        device = buf.master.device
-        placement = f"rank:{rank}/{device.type}" + (
-            f":{device.index}" if device.index is not None else ""
-        )
-        for i in key.layout.params:
-            numel = optimizer.params[i].numel()
-            frags = [f for f in buf.fragments if f.param == i]
-            entry = {}
-            for name, shard in named.items():
-                local = [
-                    Shard(
-                        buf.fragment(shard, f),
-                        ShardMetadata([f.param_range.start], [f.param_range.numel], placement),
-                    )
-                    for f in frags
-                ]
-                entry[name] = init_from_local_shards(local, [numel], process_group=group)
-            state[str(optimizer.all_index[i])] = entry
+    for i in trainable:
+        numel = optimizer.all_params[i].numel()
+        entry = {}
+        for name in names:
+            local = []
+            for frag in by_param.get(i, []):
+                view = frag.tensors[name]
+                device = view.device
+                placement = f"rank:{rank}/{device.type}" + (
+                    f":{device.index}" if device.index is not None else ""
+                )
+                r = frag.param_range
+                local.append(Shard(view, ShardMetadata([r.start], [r.numel], placement)))
+            entry[name] = init_from_local_shards(local, [numel], process_group=group)
+        state[str(i)] = entry
     # param groups travel as one JSON string: DCP keeps plain objects whole, not nested lists
-    return {"state": state, "param_groups": json.dumps(_groups(optimizer))}
+    groups = fmt.encode_metadata(optimizer.export_param_groups(), "param_groups")
+    return {"state": state, "param_groups": groups.decode()}
 
 
 @torch.no_grad()
-def load_sharded_state_dict(optimizer: DistributedOptimizer, sd: dict[str, Any]) -> None:
+def load_sharded_state_dict(optimizer, sd: dict[str, Any]) -> None:
     """Finishes a DCP load into ``sharded_state_dict()``'s structure (collective).
 
     The state tensors were already written in place by ``dcp.load``; this restores the
-    hyperparameters and steps and writes the masters back into the params.
+    param groups and writes the masters back into the params.
     """
     groups = sd["param_groups"]
     if isinstance(groups, str):
         groups = json.loads(groups)
-    if len(groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"the loaded state has {len(groups)} param groups, the optimizer has "
-            f"{len(optimizer.param_groups)}"
-        )
-    optimizer._restore_groups(groups)
-    optimizer._publish_masters()
+    optimizer.import_param_groups(groups)
+    optimizer.publish_masters()

@@ -70,9 +70,81 @@ def save_tensors(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
     return {"sha256": sha256(path), "bytes": path.stat().st_size}
 
 
-def write_metadata(directory: Path, metadata: dict[str, Any]) -> None:
-    text = json.dumps(metadata, indent=1, sort_keys=True).encode()
+def _to_json(value: Any) -> Any:
+    """JSON form of a group value: tensors and numpy scalars/arrays become numbers and lists."""
+    if torch.is_tensor(value):
+        return value.tolist() if value.dim() > 0 else value.item()
+    if hasattr(value, "tolist") and type(value).__module__ == "numpy":
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} {value!r} cannot be stored in {METADATA}")
+
+
+def encode_metadata(metadata: Any, where: str | Path) -> bytes:
+    """The JSON text of ``metadata`` (or of param groups); CheckpointError naming ``where`` and
+    a value JSON cannot hold."""
+    try:
+        return json.dumps(metadata, indent=1, sort_keys=True, default=_to_json).encode()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: {e}") from e
+
+
+def write_metadata_text(directory: Path, text: bytes) -> None:
+    """Publishes a checkpoint: its metadata, written last, by an atomic rename."""
     atomic_write(directory / METADATA, lambda f: f.write(text))
+
+
+def write_metadata(directory: Path, metadata: dict[str, Any]) -> None:
+    write_metadata_text(directory, encode_metadata(metadata, directory / METADATA))
+
+
+_SCHEMA = {
+    "format": str,
+    "version": int,
+    "world_size": int,
+    "optimizer": str,
+    "params": list,
+    "param_groups": list,
+    "fragments": dict,
+    "files": dict,
+    "has_model": bool,
+}
+
+
+def validate_metadata(metadata: Any, path: Path) -> None:
+    """Raises CheckpointError naming the first malformed entry of a metadata.json."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: malformed metadata: {what}")
+
+    if not isinstance(metadata, dict):
+        raise bad("not a JSON object")
+    for key, kind in _SCHEMA.items():
+        if key not in metadata:
+            raise bad(f"missing key '{key}'")
+        if not isinstance(metadata[key], kind):
+            raise bad(f"'{key}' must be a {kind.__name__}, got {metadata[key]!r}")
+    for i, p in enumerate(metadata["params"]):
+        if not isinstance(p, dict) or not {"name", "shape", "dtype"} <= set(p):
+            raise bad(f"param {i} must have name, shape and dtype")
+    for i, g in enumerate(metadata["param_groups"]):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise bad(f"param group {i} has no params list")
+        step = g.get("step")
+        if not isinstance(step, (int, float)) or isinstance(step, bool) or step < 0:
+            raise bad(f"param group {i}: step must be a number >= 0, got {step!r}")
+        betas = g.get("betas")
+        if betas is not None and not (
+            isinstance(betas, list)
+            and len(betas) == 2
+            and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
+        ):
+            raise bad(f"param group {i}: betas must be two numbers in [0, 1), got {betas!r}")
+    for name, frags in metadata["fragments"].items():
+        for f in frags:
+            if not (
+                isinstance(f, list) and len(f) == 3 and all(isinstance(v, int) for v in f)
+            ) or not (0 <= f[1] <= f[2]):
+                raise bad(f"fragment {f!r} of {name} must be [param, start, end]")
 
 
 def read_metadata(directory: Path) -> dict[str, Any]:
@@ -99,6 +171,7 @@ def read_metadata(directory: Path) -> dict[str, Any]:
             f"{path}: format version {metadata['version']} is newer than this shardopt reads "
             f"(up to {VERSION}); upgrade shardopt"
         )
+    validate_metadata(metadata, path)
     return metadata
 
 

@@ -8,6 +8,7 @@ the checkpoint is usable before any state is changed, so a failed load loses not
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -26,17 +27,7 @@ from shardopt.zero.layout import Range
 _KILL_ENV = "SHARDOPT_CKPT_KILL_RANK"
 
 
-def _jsonable(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.tolist() if value.dim() > 0 else value.item()
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    return value
-
-
-def _param_names(optimizer: DistributedOptimizer, model: torch.nn.Module | None) -> list[str]:
+def _param_names(optimizer, model: torch.nn.Module | None) -> list[str]:
     names = {}
     if model is not None:
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
@@ -52,11 +43,46 @@ def _check_optimizer(optimizer) -> None:
         )
 
 
-def _agree(error: str | None, group) -> None:
-    """Raises on every rank if any rank failed (so no rank goes on alone, and none hangs)."""
-    errors = [e for e in comm.all_gather_object(error, group) if e]
-    if errors:
-        raise CheckpointError(errors[0])
+class _Ranks:
+    """Who does what in a save or load, and agreement over every rank of the optimizer.
+
+    With a ``redundant_process_group`` (HSDP) the ranks are the shard group x the replica
+    group; replica 0 writes, its rank 0 (the publisher) prepares the directory and publishes.
+    """
+
+    def __init__(self, optimizer: DistributedOptimizer) -> None:
+        self.group = optimizer.process_group
+        self.replicas = optimizer.redundant_process_group
+        self.rank, self.world = optimizer.rank, optimizer.world_size
+        self.writes = self.replicas is None or comm.rank(self.replicas) == 0
+        self.publishes = self.writes and self.rank == 0
+
+    def gather(self, value: Any) -> list:
+        """``value`` of every rank of the shard group (each replica gathers its own)."""
+        return comm.all_gather_object(value, self.group)
+
+    def agree(self, error: BaseException | str | None, what: str) -> None:
+        """Raises CheckpointError on every rank if any rank failed (none goes on alone, none
+        hangs); the message names the first failing rank and its error."""
+        if isinstance(error, BaseException):
+            error = f"{type(error).__name__}: {error}"
+        if error is not None:
+            error = f"rank {comm.global_rank(self.group, self.rank)}: {error}"
+        first = next((e for e in self.gather(error) if e), None)
+        if self.replicas is not None:
+            first = next((e for e in comm.all_gather_object(first, self.replicas) if e), None)
+        if first is not None:
+            raise CheckpointError(f"{what} failed: {first}")
+
+
+def _pending(path: Path) -> Path:
+    return path.with_name(f".{path.name}.pending")
+
+
+def _remove(*paths: Path) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            p.unlink()
 
 
 def save(
@@ -66,99 +92,122 @@ def save(
     *,
     overwrite: bool = False,
 ) -> None:
-    """Saves a sharded checkpoint into directory ``path`` (collective over the optimizer's group).
+    """Saves a sharded checkpoint into directory ``path`` (collective over the optimizer's ranks).
 
-    Each rank writes its own fragments (no gather to one rank); rank 0 writes ``model.pt`` (if a
-    model is given) and, last, ``metadata.json`` by an atomic rename. Save each checkpoint to a
-    new directory: an interrupted save then never touches the previous one.
+    Each writing rank writes its own fragments (no gather to one rank); the publisher (rank 0 of
+    the writing replica) writes ``model.pt`` (if a model is given) and, last, ``metadata.json``.
+    Every phase ends with all ranks agreeing: if anything fails on any rank (a write error such as
+    ENOSPC, a group value JSON cannot hold), every rank raises, the files of this save are
+    removed and what was saved before is untouched. Save each checkpoint to a new directory.
 
     Args:
         path: the checkpoint directory (created; must not hold a checkpoint unless ``overwrite``).
         optimizer: a DistributedFused* optimizer.
         model: optional; its ``state_dict()`` is saved too and names the params in the metadata.
-        overwrite: replace a complete checkpoint already in ``path``.
+        overwrite: replace a complete checkpoint already in ``path`` (it stays valid until the
+            new one's files are all written).
 
     Raises:
-        CheckpointError: ``path`` already holds a checkpoint and ``overwrite`` is False.
+        CheckpointError: on every rank, naming the first rank that failed and why.
     """
     _check_optimizer(optimizer)
     path = Path(path)
-    group, rank, world = optimizer.process_group, optimizer.rank, optimizer.world_size
+    ranks = _Ranks(optimizer)
     error = None
-    if rank == 0:
+    if ranks.publishes:
         try:
             path.mkdir(parents=True, exist_ok=True)
-            if (path / fmt.METADATA).exists():
-                if not overwrite:
-                    raise CheckpointError(
-                        f"{path}: already holds a checkpoint; pass overwrite=True or use a new "
-                        "directory"
-                    )
-                (path / fmt.METADATA).unlink()  # unpublish first: a crash leaves it incomplete
-        except (OSError, CheckpointError) as e:
-            error = str(e)
-    _agree(error, group)
+            if (path / fmt.METADATA).exists() and not overwrite:
+                raise CheckpointError(
+                    f"{path}: already holds a checkpoint; pass overwrite=True or use a new "
+                    "directory"
+                )
+        except Exception as e:
+            error = e
+    ranks.agree(error, f"save to {path}")
+
     optimizer.wait_param_sync()
-    fragments, payload = [], []
-    for key in optimizer.keys:
-        named = dict(optimizer._shard_tensors(key))
-        named["master_param"] = key.buffers.master
-        for f in key.buffers.fragments:
-            index = optimizer.all_index[f.param]
-            entry = {"param": index, "start": f.param_range.start, "end": f.param_range.end}
-            entry.update(
-                {n: key.buffers.fragment(t, f).detach().cpu().clone() for n, t in named.items()}
-            )
-            payload.append(entry)
-            fragments.append([index, f.param_range.start, f.param_range.end])
-    writes = (
-        optimizer.redundant_process_group is None
-        or comm.rank(optimizer.redundant_process_group) == 0
-    )
-    name = fmt.rank_file(rank, world)
-    entry = fmt.save_tensors(path / name, {"fragments": payload}) if writes else None
-    if os.environ.get(_KILL_ENV) == str(rank):
+    name = fmt.rank_file(ranks.rank, ranks.world)
+    written: list[Path] = []
+    error, entry, fragments, text = None, None, [], None
+    try:
+        payload = []
+        for frag in optimizer.shard_fragments():
+            r = frag.param_range
+            item = {"param": frag.param, "start": r.start, "end": r.end}
+            item.update({n: t.detach().cpu().clone() for n, t in frag.tensors.items()})
+            payload.append(item)
+            fragments.append([frag.param, r.start, r.end])
+        if ranks.writes:
+            written.append(_pending(path / name))
+            entry = fmt.save_tensors(written[-1], {"fragments": payload})
+    except Exception as e:
+        error = e
+    if os.environ.get(_KILL_ENV) == str(ranks.rank):
         os.kill(os.getpid(), signal.SIGKILL)
-    gathered = comm.all_gather_object((name, entry, fragments), group)
-    ids = {id(p): i for i, p in enumerate(optimizer.all_params)}
-    groups = [
-        _jsonable(
+    gathered = ranks.gather((name, entry, fragments))
+    if ranks.publishes and error is None:
+        try:
+            files = {n: e for n, e, _ in gathered}
+            if model is not None:
+                written.append(_pending(path / fmt.MODEL))
+                files[fmt.MODEL] = fmt.save_tensors(written[-1], model.state_dict())
+            text = fmt.encode_metadata(
+                _metadata(optimizer, model, ranks.world, files, gathered), path / fmt.METADATA
+            )
+        except Exception as e:
+            error = e
+    try:
+        ranks.agree(error, f"save to {path}")
+    except CheckpointError:
+        _remove(*written)
+        raise
+
+    # publish: unpublish the old checkpoint, move the new files into place, write metadata last
+    error = None
+    try:
+        if ranks.publishes:
+            _remove(path / fmt.METADATA)
+        ranks.agree(None, f"save to {path}")
+        for pending in written:
+            os.replace(pending, path / pending.name[1 : -len(".pending")])
+    except CheckpointError:
+        _remove(*written)
+        raise
+    except Exception as e:
+        error = e
+    ranks.agree(error, f"save to {path}")
+    error = None
+    if ranks.publishes:
+        try:
+            fmt.write_metadata_text(path, text)
+        except Exception as e:
+            error = e
+    ranks.agree(error, f"save to {path}")
+
+
+def _metadata(optimizer, model, world: int, files: dict, gathered: list) -> dict[str, Any]:
+    names = _param_names(optimizer, model)
+    return {
+        "format": fmt.FORMAT,
+        "version": fmt.VERSION,
+        "world_size": world,
+        "optimizer": type(optimizer).__name__,
+        "state_names": list(optimizer.state_names),
+        "params": [
             {
-                **{k: v for k, v in g.items() if k != "params"},
-                "step": int(g["step"].item()),
-                "params": [ids[id(p)] for p in g["params"]],
-                **optimizer._extra_group_state(gi),
+                "name": names[i],
+                "shape": list(p.shape),
+                "dtype": str(p.dtype).replace("torch.", ""),
+                "trainable": bool(p.requires_grad),
             }
-        )
-        for gi, g in enumerate(optimizer.param_groups)
-    ]
-    if rank == 0 and writes:
-        files = {n: e for n, e, _ in gathered}
-        if model is not None:
-            files[fmt.MODEL] = fmt.save_tensors(path / fmt.MODEL, model.state_dict())
-        names = _param_names(optimizer, model)
-        metadata = {
-            "format": fmt.FORMAT,
-            "version": fmt.VERSION,
-            "world_size": world,
-            "optimizer": type(optimizer).__name__,
-            "state_names": list(optimizer.state_names),
-            "params": [
-                {
-                    "name": names[i],
-                    "shape": list(p.shape),
-                    "dtype": str(p.dtype).replace("torch.", ""),
-                    "trainable": bool(p.requires_grad),
-                }
-                for i, p in enumerate(optimizer.all_params)
-            ],
-            "param_groups": groups,
-            "fragments": {n: frags for n, _, frags in gathered},
-            "files": files,
-            "has_model": model is not None,
-        }
-        fmt.write_metadata(path, metadata)
-    comm.barrier()
+            for i, p in enumerate(optimizer.all_params)
+        ],
+        "param_groups": optimizer.export_param_groups(),
+        "fragments": {n: frags for n, _, frags in gathered},
+        "files": files,
+        "has_model": model is not None,
+    }
 
 
 def check_compatible(metadata: dict, optimizer: DistributedOptimizer, path: Path) -> None:
@@ -197,8 +246,10 @@ def load(
 ) -> None:
     """Loads a sharded checkpoint saved at any world size and bucket size (collective).
 
-    Each rank verifies and reads only the files whose fragments overlap what it owns now. Nothing
-    is changed unless every rank found everything it needs intact.
+    Each rank verifies and reads only the files whose fragments overlap what it owns now, and
+    checks the model's state dict against ``model.pt``. Nothing (model included) is changed
+    unless every rank found everything it needs intact: any error on any rank makes every rank
+    raise first. The masters are taken from the checkpoint and written into the params.
 
     Args:
         path: a checkpoint directory written by ``save``.
@@ -206,49 +257,64 @@ def load(
         model: optional; loaded from ``model.pt`` when the checkpoint has one.
 
     Raises:
-        CheckpointError: incomplete directory, newer format, another model, a missing, truncated
-            or corrupted file (the message names the file and the problem).
+        CheckpointError: on every rank: incomplete directory, newer format, malformed metadata,
+            another model, a missing, truncated or corrupted file (the message names the rank,
+            the file and the problem).
     """
     _check_optimizer(optimizer)
     path = Path(path)
-    group = optimizer.process_group
-    error, metadata, needed = None, None, []
+    ranks = _Ranks(optimizer)
+    error, metadata, payloads, model_state = None, None, [], None
     try:
         metadata = fmt.read_metadata(path)
         check_compatible(metadata, optimizer, path)
         mine: dict[int, list[Range]] = {}
-        for key in optimizer.keys:
-            for f in key.buffers.fragments:
-                mine.setdefault(optimizer.all_index[f.param], []).append(f.param_range)
+        for frag in optimizer.shard_fragments():
+            mine.setdefault(frag.param, []).append(frag.param_range)
         for name, frags in metadata["fragments"].items():
             if any(Range(s, e).intersect(r) for i, s, e in frags for r in mine.get(i, [])):
-                needed.append(fmt.verify_file(path, name, metadata))
-        if model is not None and metadata.get("has_model"):
-            fmt.verify_file(path, fmt.MODEL, metadata)
-    except CheckpointError as e:
-        error = str(e)
-    _agree(error, group)
+                payloads.append(fmt.load_file(fmt.verify_file(path, name, metadata)))
+        if model is not None and metadata["has_model"]:
+            model_state = fmt.load_file(fmt.verify_file(path, fmt.MODEL, metadata))
+            _check_model_state(model, model_state, path)
+    except Exception as e:
+        error = e
+    ranks.agree(error, f"load from {path}")
 
-    payloads = [fmt.load_file(p) for p in needed]
-    if model is not None and metadata.get("has_model"):
-        model.load_state_dict(fmt.load_file(path / fmt.MODEL))
-    with torch.no_grad():
-        for key in optimizer.keys:
-            buf = key.buffers
-            named = dict(optimizer._shard_tensors(key))
-            named["master_param"] = buf.master
-            for f in buf.fragments:
-                index = optimizer.all_index[f.param]
+    error = None
+    try:
+        if model_state is not None:
+            model.load_state_dict(model_state)
+        with torch.no_grad():
+            for frag in optimizer.shard_fragments():
                 for payload in payloads:
                     for saved in payload["fragments"]:
-                        if saved["param"] != index:
+                        if saved["param"] != frag.param:
                             continue
-                        piece = Range(saved["start"], saved["end"]).intersect(f.param_range)
+                        piece = Range(saved["start"], saved["end"]).intersect(frag.param_range)
                         if piece is None:
                             continue
-                        dst = piece.shift(f.shard_range.start - f.param_range.start)
+                        dst = piece.shift(-frag.param_range.start)
                         src = piece.shift(-saved["start"])
-                        for n, shard in named.items():
-                            buf.shard_slice(shard, dst).copy_(saved[n][src.start : src.end])
-        optimizer._restore_groups(metadata["param_groups"])
-        optimizer._publish_masters()
+                        for n, view in frag.tensors.items():
+                            view[dst.start : dst.end].copy_(saved[n][src.start : src.end])
+        optimizer.import_param_groups(metadata["param_groups"])
+    except Exception as e:
+        error = e
+    ranks.agree(error, f"load from {path}")
+    optimizer.publish_masters()
+
+
+def _check_model_state(model: torch.nn.Module, saved: dict[str, Any], path: Path) -> None:
+    """The saved model state must fit the model exactly (keys, shapes, dtypes)."""
+    mine = model.state_dict()
+    problems = [f"missing key '{k}'" for k in mine if k not in saved]
+    problems += [f"unexpected key '{k}'" for k in saved if k not in mine]
+    for k, v in mine.items():
+        s = saved.get(k)
+        if torch.is_tensor(v) and torch.is_tensor(s) and (s.shape != v.shape):
+            problems.append(f"'{k}': checkpoint {tuple(s.shape)}, model {tuple(v.shape)}")
+    if problems:
+        raise CheckpointError(
+            f"{path / fmt.MODEL}: does not fit the model: " + "; ".join(problems[:10])
+        )

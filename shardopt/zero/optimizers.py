@@ -18,7 +18,8 @@ from shardopt.optimizers.lamb import clip_scale, lamb_stage1_apply, lamb_stage2_
 from shardopt.optimizers.novograd import blend_second_moment, check_norm_type
 from shardopt.optimizers.sgd import _REQUIRED, check_sgd_args, sgd_apply
 from shardopt.zero import comm
-from shardopt.zero.engine import DistributedOptimizer, StepScalars
+from shardopt.zero.amp import StepScalars
+from shardopt.zero.engine import DistributedOptimizer
 
 ZERO_ARGS_DOC = """
     Sharding arguments (keyword-only):
@@ -384,17 +385,18 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
         group = self.param_groups[group_index]
         vec = torch.zeros(len(group["params"]), dtype=torch.float32)
         for j, p in enumerate(group["params"]):
-            i = self.param_index.get(id(p))
+            i = self.sharded.param_index.get(id(p))
             if i is not None:
                 vec[j] = self.second_moment[i].cpu()
         return {"exp_avg_sq": vec}
 
     def _load_extra_group_state(self, group_index: int, saved_group: dict) -> None:
         vec = saved_group.get("exp_avg_sq")
-        if not torch.is_tensor(vec):
+        if vec is None:
             return
+        vec = torch.as_tensor(vec, dtype=torch.float32)  # a list when read from JSON
         group = self.param_groups[group_index]
         for j, p in enumerate(group["params"]):
-            i = self.param_index.get(id(p))
+            i = self.sharded.param_index.get(id(p))
             if i is not None:
                 self.second_moment[i] = vec[j].to(self.device)

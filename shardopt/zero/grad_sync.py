@@ -1,0 +1,214 @@
+"""Grad sync: the post-accumulate-grad hooks and the bucketed reduce-scatter of one iteration.
+
+Each trainable param's hook copies its grad into its bucket's transient grad buffer (allocated
+when the bucket's first grad arrives; added to under ``no_sync``) and frees ``param.grad``. A
+bucket whose params have all arrived is reduce-scattered asynchronously into this rank's grad
+shard, strictly in bucket order (so every rank issues collectives in one order even when some
+params get no grad on some ranks), and its buffer is released once the reduce-scatter two buckets
+later is launched (bounded extra memory, no full-size grad buffer, nothing to zero). What one
+iteration knows lives in one ``Iteration`` object, replaced by ``reset()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from shardopt.optimizers.fused_optimizer import check_grad
+from shardopt.zero import comm
+from shardopt.zero.sharded_params import Key, ShardedParams
+
+# Reduce-scatters in flight during backward before the oldest is waited on (on the compute
+# stream, no host sync on NCCL) and its transient grad bucket released.
+MAX_GRAD_BUCKETS_IN_FLIGHT = 2
+
+BucketId = tuple[int, int]  # (key index, bucket index)
+
+
+@dataclass
+class Iteration:
+    """The grad-sync state of one iteration (from the first backward to ``step()``)."""
+
+    pending: dict[BucketId, int]  # params of each bucket whose grads have not arrived
+    order: list[BucketId]  # the one launch order of every rank
+    next_launch: int = 0  # first bucket of ``order`` not yet reduce-scattered
+    handles: list[comm.Handle] = field(default_factory=list)
+    next_wait: int = 0  # first handle not yet waited on
+    synced: bool = False  # every bucket reduce-scattered and waited on
+    arrived: set[int] = field(default_factory=set)  # params whose synced grad has arrived
+    written: set[int] = field(default_factory=set)  # params whose grads are in a live bucket
+
+
+class GradSync:
+    """Owns the grad hooks and the iteration's bucket state machine (see the module docstring)."""
+
+    def __init__(
+        self,
+        sharded: ShardedParams,
+        *,
+        process_group: comm.ProcessGroup | None,
+        redundant_process_group: comm.ProcessGroup | None,
+        overlap: bool,
+    ) -> None:
+        self.sharded = sharded
+        self.process_group = process_group
+        self.redundant_process_group = redundant_process_group
+        self.overlap = overlap
+        #: False inside ``no_sync()``: grads accumulate in the buckets, nothing is launched
+        self.enabled = True
+        self.reset()
+        # The hooks hold this object weakly: params outlive the optimizer, and a strong reference
+        # would keep every buffer alive after it is dropped. They are removed when this object is
+        # collected (not when some wrapper forwarding to the optimizer is).
+        ref = weakref.WeakMethod(self._on_grad)
+
+        def hook(p: torch.Tensor) -> None:
+            method = ref()
+            if method is not None:
+                method(p)
+
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in sharded.params]
+        self._finalizer = weakref.finalize(self, _remove_all, self._handles)
+
+    def remove_hooks(self) -> None:
+        self._finalizer()
+
+    def reset(self) -> None:
+        """Starts a new iteration; transient grad buffers go back to the allocator (anything that
+        read them was queued on this stream, so reuse is ordered after it)."""
+        keys = self.sharded.keys
+        self.iteration = Iteration(
+            pending={(k.index, b.index): len(b.params) for k in keys for b in k.layout.buckets},
+            order=[(k.index, b.index) for k in keys for b in k.layout.buckets],
+        )
+        for key in keys:
+            key.buffers.grad_buckets.clear()
+            key.buffers.release_grad_shard()
+
+    @property
+    def synced(self) -> bool:
+        return self.iteration.synced
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        sharded, it = self.sharded, self.iteration
+        owner = sharded.owner
+        i = sharded.param_index[id(p)]
+        key = sharded.param_key[i]
+        if it.synced or (self.enabled and i in it.arrived):
+            raise RuntimeError(
+                f"{owner}: param {i} got a second gradient after its bucket was synchronised in "
+                "this iteration; wrap all but the last micro-batch's backward in "
+                "optimizer.no_sync(), and call step() before the next synchronised backward"
+            )
+        check_grad(p, owner)
+        buf = key.buffers
+        grad = p.grad.reshape(-1)
+        first = i not in it.written
+        with torch.no_grad():
+            for b, in_bucket, in_param in sharded.pieces[i]:
+                dst = buf.grad_bucket(b).narrow(0, in_bucket.start, in_bucket.numel)
+                src = grad.narrow(0, in_param.start, in_param.numel)
+                if first:
+                    dst.copy_(src)
+                else:
+                    dst.add_(src)
+        it.written.add(i)
+        p.grad = None
+        if not self.enabled:
+            return
+        it.arrived.add(i)
+        for b in sharded.param_buckets[i]:
+            it.pending[(key.index, b)] -= 1
+        if self.overlap:
+            self._launch_ready(force=False)
+
+    def _launch_ready(self, force: bool) -> None:
+        """Launches reduce-scatters strictly in bucket order, up to the first incomplete one."""
+        it = self.iteration
+        while it.next_launch < len(it.order):
+            ki, bi = it.order[it.next_launch]
+            if not force and it.pending[(ki, bi)] > 0:
+                return
+            it.handles.append(self._reduce_scatter_bucket(self.sharded.keys[ki], bi))
+            it.next_launch += 1
+            if not force:
+                # bound the transient grad memory; the step waits for the rest
+                while it.next_wait < len(it.handles) - MAX_GRAD_BUCKETS_IN_FLIGHT:
+                    it.handles[it.next_wait].wait()
+                    it.next_wait += 1
+
+    def _reduce_scatter_bucket(self, key: Key, bi: int) -> comm.Handle:
+        """Completes a bucket's grads (zeros where no grad arrived) and reduce-scatters it into
+        this rank's grad shard; the bucket's buffer lives until the handle is waited on."""
+        buf = key.buffers
+        bucket = key.layout.buckets[bi]
+        fresh = bi not in buf.grad_buckets
+        grads = buf.grad_bucket(bi)
+        if fresh:  # no grad of this bucket arrived on this rank
+            grads.zero_()
+        else:
+            written = self.iteration.written
+            holes = [grads.narrow(0, r.start, r.numel) for r in bucket.gaps]
+            for i in bucket.params:
+                if i not in written:
+                    r = next(r for b, r, _ in self.sharded.pieces[i] if b == bi)
+                    holes.append(grads.narrow(0, r.start, r.numel))
+            if holes:
+                torch._foreach_zero_(holes)
+        buf.release_grad_bucket(bi)
+        return comm.reduce_scatter(
+            buf.shard_of_bucket(buf.grad_shard, bucket), grads, self.process_group
+        )
+
+    def finish(self) -> None:
+        """Launches the buckets not yet reduce-scattered and waits for all of this iteration's
+        reduce-scatters (idempotent). Collective."""
+        it = self.iteration
+        if it.synced:
+            return
+        for p in self.sharded.all_params:
+            if p.grad is not None:
+                raise RuntimeError(self._stray_grad_message(p))
+        self._launch_ready(force=True)
+        for h in it.handles:
+            h.wait()
+        it.handles = []
+        it.next_wait = 0
+        if self.redundant_process_group is not None:
+            for key in self.sharded.keys:
+                comm.all_reduce(key.buffers.grad_shard, self.redundant_process_group)
+        it.synced = True
+
+    def _stray_grad_message(self, p: torch.Tensor) -> str:
+        owner = self.sharded.owner
+        if id(p) not in self.sharded.param_index:
+            return (
+                f"{owner}: a param that was frozen (requires_grad=False) when the optimizer was "
+                "built now has a gradient; changing requires_grad after construction is not "
+                "supported: build the optimizer again"
+            )
+        return (
+            f"{owner}: a param has .grad set at step time, so something other than this "
+            "optimizer wrote gradients: is the model still wrapped in DistributedDataParallel? "
+            "Remove the DDP wrapper (this optimizer syncs gradients itself; use "
+            "optimizer.no_sync() instead of model.no_sync())"
+        )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self.enabled
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+
+def _remove_all(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()

@@ -1,0 +1,123 @@
+"""Param sync: the all-gather of every bucket back into the params after the update.
+
+The update writes this rank's chunk of each bucket (into the params themselves for fp32 params
+gathered in fp32, else into the sync buffer); ``start()`` all-gathers every bucket in forward order
+(registration order: buckets reversed). Without overlap it waits at once. With overlap a global
+forward pre-hook waits, before each module's forward, only for the buckets holding that module's
+own params, so the all-gathers of later layers overlap the forward of earlier ones; any other
+read of the params needs ``wait()`` first.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from shardopt.zero import comm
+from shardopt.zero.grad_sync import BucketId
+from shardopt.zero.sharded_params import ShardedParams
+
+
+class ParamSync:
+    """Owns the in-flight all-gathers of the last step and the forward pre-hook."""
+
+    def __init__(
+        self, sharded: ShardedParams, *, process_group: comm.ProcessGroup | None, overlap: bool
+    ) -> None:
+        #: called when the last all-gather of a step has landed in the params
+        self.on_published = sharded.note_params_published
+        self.sharded = sharded
+        self.process_group = process_group
+        self.overlap = overlap
+        self.pending: dict[BucketId, comm.Handle] = {}
+        self._forward_hook = None
+        self._module_buckets: dict[int, list[BucketId]] = {}
+
+    def start(self) -> None:
+        """All-gathers every bucket; waits unless overlapping with the next forward."""
+        pending: dict[BucketId, comm.Handle] = {}
+        for key in self.sharded.keys:
+            buf = key.buffers
+            for bucket in reversed(key.layout.buckets):  # the update wrote this rank's chunk
+                pending[(key.index, bucket.index)] = comm.all_gather(
+                    buf.bucket(buf.sync_space, bucket),
+                    buf.chunk(buf.sync_space, bucket),
+                    self.process_group,
+                    async_op=True,
+                )
+        self.pending = pending
+        if not pending:
+            self.on_published()
+        elif not self.overlap:
+            self.wait()
+        else:
+            self._install_forward_wait()
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """Writes the master shards into the params and all-gathers them (blocking)."""
+        for key in self.sharded.keys:
+            buf = key.buffers
+            if buf.master_is_param:
+                continue  # the all-gather reads the masters directly
+            for master, out in zip(buf.per_fragment(buf.master), buf.fragment_outs(buf.sync_space)):
+                out.copy_(master)
+        self.start()
+        self.wait()
+
+    def _finish_bucket(self, bucket_id: BucketId) -> None:
+        handle = self.pending.pop(bucket_id, None)
+        if handle is None:
+            return
+        handle.wait()
+        key = self.sharded.keys[bucket_id[0]]
+        buf = key.buffers
+        if buf.sync_space is not buf.param_space:
+            bucket = key.layout.buckets[bucket_id[1]]
+            buf.bucket(buf.param_space, bucket).copy_(buf.bucket(buf.sync_space, bucket))
+        if not self.pending:
+            self.on_published()
+
+    def wait(self) -> None:
+        """Finishes every in-flight all-gather of the last step."""
+        for bucket_id in list(self.pending):
+            self._finish_bucket(bucket_id)
+        self._remove_forward_hook()
+
+    def _remove_forward_hook(self) -> None:
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+
+    def _buckets_of(self, module: torch.nn.Module) -> list[BucketId]:
+        """The buckets holding a module's own params (cached per module)."""
+        found = self._module_buckets.get(id(module))
+        if found is None:
+            sharded = self.sharded
+            found = []
+            for p in module.parameters(recurse=False):
+                i = sharded.param_index.get(id(p))
+                if i is not None:
+                    ki = sharded.param_key[i].index
+                    found += [(ki, b) for b in sharded.param_buckets[i] if (ki, b) not in found]
+            self._module_buckets[id(module)] = found
+        return found
+
+    def _install_forward_wait(self) -> None:
+        if self._forward_hook is not None:
+            return
+        ref = weakref.ref(self)
+
+        def wait_before_forward(module, args):
+            sync = ref()
+            if sync is None:
+                return
+            for bucket_id in sync._buckets_of(module):
+                sync._finish_bucket(bucket_id)
+            if not sync.pending:
+                sync._remove_forward_hook()
+
+        self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            wait_before_forward
+        )

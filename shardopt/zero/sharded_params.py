@@ -1,0 +1,282 @@
+"""The params of a distributed optimizer: checked across ranks, planned into keys, bound to flat
+buffers (see Note: buckets and shards in layout.py).
+
+A key is one (param group, param dtype) set of trainable params with its plan (``KeyLayout``) and
+its buffers (``KeyBuffers``). Params become views of their key's param buffer, so an all-gather
+writes straight into them; frozen params get no buckets and no state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardopt import _ops
+from shardopt.optimizers.fused_optimizer import LOW_PRECISION
+from shardopt.zero import comm
+from shardopt.zero.flat_buffer import KeyBuffers
+from shardopt.zero.layout import KeyLayout, Range, plan_key
+
+ALIGN_BYTES = 128
+
+
+@dataclass
+class Key:
+    """One (param group, param dtype) set of params, its plan and its buffers."""
+
+    index: int
+    group_index: int
+    param_dtype: torch.dtype
+    layout: KeyLayout
+    buffers: KeyBuffers
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """The sharding settings every rank must agree on (checked at construction)."""
+
+    bucket_cap_mb: float
+    state_dtype: torch.dtype
+    grad_sync_dtype: torch.dtype | None
+    param_sync_dtype: torch.dtype | None
+    average_grad_sync: bool
+    overlap_grad_sync: bool
+    overlap_param_sync: bool
+    capturable: bool
+
+    def describe(self) -> tuple:
+        return tuple(str(v) for v in self.__dict__.values())
+
+    def grad_sync_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        """Low-precision params accumulate and sync grads in fp32 unless told otherwise."""
+        if self.grad_sync_dtype is not None:
+            return self.grad_sync_dtype
+        return torch.float32 if param_dtype in LOW_PRECISION else param_dtype
+
+
+class ShardedParams:
+    """The optimizer's params, their keys and the index maps between them.
+
+    Index spaces: *all* params (param-group order, frozen included: torch.optim state-dict ids)
+    and *engine* params (trainable only: ``params[i]``); ``all_index[i]`` maps the second to the
+    first.
+    """
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        config: ShardingConfig,
+        state_names: tuple[str, ...],
+        *,
+        process_group: comm.ProcessGroup | None,
+        redundant_process_group: comm.ProcessGroup | None,
+        owner: str,
+    ) -> None:
+        self.owner = owner
+        self.config = config
+        self.process_group = process_group
+        self.rank = comm.rank(process_group)
+        self.world_size = comm.world_size(process_group)
+        self.all_params: list[torch.Tensor] = [p for g in param_groups for p in g["params"]]
+        for p in self.all_params:
+            if p.dtype == torch.float64:
+                raise TypeError(
+                    f"{owner} supports float32, float16 and bfloat16 params; use FusedAdam etc. "
+                    "for float64"
+                )
+        self.params: list[torch.Tensor] = [p for p in self.all_params if p.requires_grad]
+        self.param_index = {id(p): i for i, p in enumerate(self.params)}
+        position = {id(p): i for i, p in enumerate(self.all_params)}
+        #: engine param index -> index among all params (torch.optim state-dict ids)
+        self.all_index = [position[id(p)] for p in self.params]
+        self.device = _ops.common_device(self.all_params, "params")
+        self._check_same_everywhere(param_groups)
+        self._broadcast(redundant_process_group)
+        self.keys: list[Key] = self._build_keys(param_groups, state_names)
+        self.param_key: dict[int, Key] = {i: key for key in self.keys for i in key.layout.params}
+        #: param -> (bucket index, bucket_range, param_range) of each bucket it has elements in
+        self.pieces: dict[int, list[tuple[int, Range, Range]]] = {
+            i: key.layout.param_pieces(i) for key in self.keys for i in key.layout.params
+        }
+        self.param_buckets: dict[int, list[int]] = {
+            i: [b for b, _, _ in pieces] for i, pieces in self.pieces.items()
+        }
+        self._bind()
+        # Built once so the step does no host-to-device copies (LAMB's and NovoGrad's per-param
+        # reductions index with them).
+        self.fragment_indices = [
+            torch.tensor(
+                [f.param for f in k.buffers.fragments], dtype=torch.long, device=self.device
+            )
+            for k in self.keys
+        ]
+        self.member_indices = [
+            torch.tensor(list(k.layout.params), dtype=torch.long, device=self.device)
+            for k in self.keys
+        ]
+
+    def _check_same_everywhere(self, param_groups: list[dict[str, Any]]) -> None:
+        """Every rank must register the same params (order, shape, dtype, requires_grad) in the
+        same groups, with the same sharding settings; else every rank raises here, not at the
+        first collective."""
+        desc = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in self.all_params]
+        groups = [len(g["params"]) for g in param_groups]
+        mine = (desc, groups, self.config.describe())
+        everyone = comm.all_gather_object(mine, self.process_group)
+        for r, (other, other_groups, other_config) in enumerate(everyone):
+            diffs = [
+                f"param {i}: rank {self.rank} has {a}, rank {r} has {b}"
+                for i, (a, b) in enumerate(zip(desc, other))
+                if a != b
+            ]
+            if len(desc) != len(other):
+                diffs.insert(
+                    0, f"rank {self.rank} has {len(desc)} params, rank {r} has {len(other)}"
+                )
+            if groups != other_groups:
+                diffs.append(
+                    f"params per group: rank {self.rank} has {groups}, rank {r} has {other_groups}"
+                )
+            if diffs:
+                raise RuntimeError(
+                    f"{self.owner}: params differ between ranks (same model, same order and "
+                    "groups required on every rank): " + "; ".join(diffs[:5])
+                )
+            if other_config != self.config.describe():
+                names = list(self.config.__dict__)
+                settings = [
+                    f"{n}: rank {self.rank} has {a}, rank {r} has {b}"
+                    for n, a, b in zip(names, self.config.describe(), other_config)
+                    if a != b
+                ]
+                raise ValueError(
+                    f"{self.owner}: sharding settings differ between ranks (they must be equal on "
+                    "every rank): " + "; ".join(settings)
+                )
+
+    def _broadcast(self, redundant_process_group: comm.ProcessGroup | None) -> None:
+        """Every rank starts from rank 0's params, as DDP does."""
+        with torch.no_grad():
+            data = [p.data for p in self.all_params]
+            comm.broadcast(data, 0, self.process_group)
+            if redundant_process_group is not None:
+                comm.broadcast(data, 0, redundant_process_group)
+
+    def _build_keys(self, param_groups: list[dict[str, Any]], state_names) -> list[Key]:
+        by_key: dict[tuple[int, torch.dtype], list[int]] = {}
+        for gi, group in enumerate(param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    by_key.setdefault((gi, p.dtype), []).append(self.param_index[id(p)])
+        config = self.config
+        keys = []
+        for (gi, dtype), indices in by_key.items():
+            grad_dtype = config.grad_sync_dtype_for(dtype)
+            sync_dtype = config.param_sync_dtype or dtype
+            smallest = min(t.itemsize for t in (dtype, grad_dtype, sync_dtype))
+            bucket_numel = int(config.bucket_cap_mb * 2**20) // grad_dtype.itemsize
+            layout = plan_key(
+                [(i, self.params[i].numel()) for i in indices],
+                world_size=self.world_size,
+                bucket_numel=max(bucket_numel, 1),
+                align_numel=ALIGN_BYTES // smallest,
+            )
+            buffers = KeyBuffers(
+                layout,
+                self.rank,
+                device=self.device,
+                param_dtype=dtype,
+                grad_sync_dtype=grad_dtype,
+                param_sync_dtype=sync_dtype,
+                state_dtype=config.state_dtype,
+                state_names=state_names,
+            )
+            keys.append(Key(len(keys), gi, dtype, layout, buffers))
+        return keys
+
+    @torch.no_grad()
+    def _bind(self) -> None:
+        """Params become views of their key's param buffer; masters start from the params."""
+        #: engine param -> the buffer view it must be (see ``check_bindings``)
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        for key in self.keys:
+            buf = key.buffers
+            for i in key.layout.params:
+                p = self.params[i]
+                view = buf.param_view(i, p.shape)
+                view.copy_(p.data)
+                p.data = view
+                self.views[i] = view
+            if buf.master_is_param:
+                continue
+            for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
+                master.copy_(buf.fragment_param_view(self.params[f.param].data, f))
+        self.note_params_published()
+
+    # -- params changed after construction (see Note: the params are the truth) ------------------
+
+    def note_params_published(self) -> None:
+        """Remembers the params' version counters once the optimizer wrote them (all of a key's
+        params share its buffer's counter), so ``refresh_masters`` sees any later write."""
+        self._versions = [key.buffers.param_space._version for key in self.keys]
+
+    def check_bindings(self) -> list[int]:
+        """Re-binds params that were re-bound to other tensors of the same shape, dtype and
+        device (``p.data = ...``, a framework's prepare step); returns their indices. Raises,
+        naming the param, when a param can no longer be a view of its buffer."""
+        rebound = []
+        for i, (p, view) in enumerate(zip(self.params, self.views)):
+            if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
+                continue
+            if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
+                raise RuntimeError(
+                    f"{self.owner}: param {self.all_index[i]} was replaced after the optimizer "
+                    f"was built by a tensor of another shape, dtype or device ({tuple(p.shape)} "
+                    f"{p.dtype} on {p.device}; the optimizer holds {tuple(view.shape)} "
+                    f"{view.dtype} on {view.device}); move or cast the model before building "
+                    "the optimizer"
+                )
+            with torch.no_grad():
+                view.copy_(p.data)
+                p.data = view
+            rebound.append(i)
+        return rebound
+
+    @torch.no_grad()
+    def refresh_masters(self, force: bool = False) -> None:
+        """Re-seeds the masters of every key whose params were written (or re-bound) since the
+        optimizer last wrote them (every key if ``force``): a master is kept where it still
+        rounds to the param, else it becomes the param's value. fp32 params gathered in fp32 are
+        their own masters."""
+        rebound = self.check_bindings()
+        changed = {self.param_key[i].index for i in rebound}
+        for key, seen in zip(self.keys, self._versions):
+            if key.buffers.param_space._version != seen:
+                changed.add(key.index)
+        for key in self.keys:
+            buf = key.buffers
+            if buf.master_is_param or not (force or key.index in changed):
+                continue
+            for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
+                param = buf.fragment_param_view(self.params[f.param].data, f)
+                master.copy_(merge_master(master, param, buf.sync_space.dtype))
+        self.note_params_published()
+
+    def shard_tensors(self, key: Key) -> dict[str, Any]:
+        """Named shards of ``key`` kept per param: the state, plus ``master_param`` (a view of the
+        param chunks for fp32 params, a separate fp32 copy for low-precision ones)."""
+        named = dict(key.buffers.state)
+        named["master_param"] = key.buffers.master
+        return named
+
+
+def merge_master(
+    master: torch.Tensor, param: torch.Tensor, sync_dtype: torch.dtype
+) -> torch.Tensor:
+    """The master to keep for ``param``: the master where it still rounds (to the dtype params are
+    gathered in) to the param's value, else the param's value (see Note: the params are the
+    truth)."""
+    rounded = master.to(sync_dtype).to(param.dtype)
+    return torch.where(rounded == param, master, param.to(master.dtype))

@@ -1,0 +1,209 @@
+"""The state-I/O interface of the distributed optimizers, and their torch.optim state dicts.
+
+One interface serves ``state_dict()``/``load_state_dict()``, the sharded checkpoint
+(``shardopt.checkpoint``) and DCP alike:
+
+- ``shard_fragments()``: this rank's fragments, each a (param, element range) with views of the
+  master and state shards over it; writing into the views changes the optimizer's state;
+- ``export_param_groups()`` / ``import_param_groups()``: every param group key (hyperparameters,
+  ``initial_lr`` and other keys schedulers add, the step, algorithm extras), with params as
+  indices into ``all_params``; the one way a group is serialised;
+- ``publish_masters()``: writes the masters into the params after state was written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardopt.optimizers.fused_optimizer import check_loaded_groups
+from shardopt.zero import comm
+from shardopt.zero.layout import Range
+
+MASTER = "master_param"
+
+
+@dataclass
+class ShardFragment:
+    """One fragment this rank owns: elements ``param_range`` of flattened param ``param``."""
+
+    param: int  # index into ``all_params`` (torch.optim state-dict id)
+    param_range: Range
+    tensors: dict[str, torch.Tensor]  # state name (and ``master_param``) -> writable view
+
+
+def set_group_value(group: dict, name: str, value: Any) -> None:
+    """Sets a loaded group value; a tensor one (lr of a captured step) is updated in place, so
+    what the kernels read stays bound."""
+    current = group.get(name)
+    if torch.is_tensor(current) and not torch.is_tensor(value):
+        current.fill_(float(value))
+    elif torch.is_tensor(current):
+        current.copy_(value)
+    elif isinstance(current, tuple) and isinstance(value, list):
+        group[name] = tuple(value)
+    else:
+        group[name] = value
+
+
+class StateIO:
+    """Mixin of ``DistributedOptimizer``: the interface above plus the torch.optim state dict."""
+
+    # -- the interface ---------------------------------------------------------------------------
+
+    def shard_fragments(self) -> Iterator[ShardFragment]:
+        """This rank's fragments in shard order, with views of their master and state shards."""
+        sharded = self.sharded
+        for key in sharded.keys:
+            buf = key.buffers
+            named = sharded.shard_tensors(key)
+            for f in buf.fragments:
+                yield ShardFragment(
+                    sharded.all_index[f.param],
+                    f.param_range,
+                    {n: buf.fragment(t, f) for n, t in named.items()},
+                )
+
+    def export_param_groups(self) -> list[dict[str, Any]]:
+        """Every group's keys (params as ``all_params`` indices, step as an int, algorithm extras
+        such as NovoGrad's per-param second moment)."""
+        ids = {id(p): i for i, p in enumerate(self.all_params)}
+        groups = []
+        for gi, group in enumerate(self.param_groups):
+            saved = {k: v for k, v in group.items() if k not in ("params", "step")}
+            saved["step"] = int(group["step"].item())
+            saved["params"] = [ids[id(p)] for p in group["params"]]
+            saved.update(self._extra_group_state(gi))
+            groups.append(saved)
+        return groups
+
+    @torch.no_grad()
+    def import_param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Restores every key of ``export_param_groups()`` (or of a torch.optim state dict's
+        groups: a missing step is taken from the per-param state)."""
+        check_loaded_groups(groups, self.param_groups, type(self).__name__)
+        extras = set(self._extra_group_state(0)) if self.param_groups else set()
+        for gi, (group, saved) in enumerate(zip(self.param_groups, groups)):
+            for k, v in saved.items():
+                if k not in ("params", "step") and k not in extras:
+                    set_group_value(group, k, v)
+            group["step"].fill_(float(saved.get("step", 0)))  # in place: keeps a captured binding
+            self._load_extra_group_state(gi, saved)
+
+    def publish_masters(self) -> None:
+        """Writes the master shards into the params and all-gathers them (collective)."""
+        self.param_sync.publish_masters()
+
+    # -- algorithm hooks -------------------------------------------------------------------------
+
+    def _extra_group_state(self, group_index: int) -> dict[str, Any]:
+        """Algorithm-specific per-group entries (NovoGrad's norms); the same keys for every
+        group."""
+        return {}
+
+    def _load_extra_group_state(self, group_index: int, saved_group: dict) -> None:
+        """Restores what ``_extra_group_state`` saved."""
+
+    # -- torch.optim state dict ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, Any]:
+        """The full, world-size independent state in torch.optim's format (same on every rank).
+
+        Built bucket by bucket: each state shard is all-gathered one bucket at a time and copied
+        out into per-param CPU tensors, so the device never holds more than one bucket extra.
+        Params that are their own masters (fp32 gathered in fp32) save no ``master_param``.
+        Collective.
+        """
+        self.wait_param_sync()
+        sharded = self.sharded
+        state: dict[int, dict[str, Any]] = {}
+        for key in sharded.keys:
+            named = sharded.shard_tensors(key)
+            if key.buffers.master_is_param:
+                del named[MASTER]
+            for bucket in key.layout.buckets:
+                gathered = {}
+                for name, shard in named.items():
+                    out = torch.empty(bucket.numel, dtype=shard.dtype, device=sharded.device)
+                    comm.all_gather(
+                        out,
+                        key.buffers.shard_of_bucket(shard, bucket),
+                        self.process_group,
+                        async_op=False,
+                    ).wait()
+                    gathered[name] = out.cpu()
+                for i in bucket.params:
+                    p = sharded.params[i]
+                    space = key.layout.space_ranges[i]
+                    piece = space.intersect(bucket.space_range)
+                    entry = state.setdefault(sharded.all_index[i], {})
+                    for name, full_bucket in gathered.items():
+                        full = entry.setdefault(
+                            name, torch.zeros(p.numel(), dtype=full_bucket.dtype)
+                        )
+                        src = piece.shift(-bucket.space_range.start)
+                        full[piece.start - space.start : piece.end - space.start].copy_(
+                            full_bucket[src.start : src.end]
+                        )
+        groups = self.export_param_groups()
+        for saved in groups:
+            for pid in saved["params"]:
+                entry = state.get(pid)
+                if entry is None:
+                    continue
+                shape = self.all_params[pid].shape
+                for name in list(entry):
+                    entry[name] = entry[name].view(shape)
+                entry["step"] = torch.tensor(float(saved["step"]))
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict from ``state_dict()`` at any world size or bucket size, or one of
+        the matching single-process optimizer (FusedAdam, torch.optim.AdamW, ...).
+
+        Each rank copies only the fragments it owns; every group key is restored. A saved
+        ``master_param`` is kept only where it rounds to the param's current value (the params
+        are the truth: a model loaded or trained elsewhere since is not undone).
+        """
+        name = type(self).__name__
+        saved_groups = [dict(g) for g in state_dict["param_groups"]]
+        check_loaded_groups(saved_groups, self.param_groups, name)
+        saved_state = state_dict["state"]
+        saved_id: dict[int, Any] = {}
+        for group, sg in zip(self.param_groups, saved_groups):
+            for p, pid in zip(group["params"], sg["params"]):
+                saved_id[id(p)] = pid
+                for key_name, value in saved_state.get(pid, {}).items():
+                    if torch.is_tensor(value) and value.dim() > 0 and value.numel() != p.numel():
+                        raise ValueError(
+                            f"{name}: state '{key_name}' of param {pid} has {value.numel()} "
+                            f"elements, the param has {p.numel()}"
+                        )
+            if "step" not in sg:  # torch.optim keeps the step per param
+                steps = [
+                    float(saved_state[pid]["step"])
+                    for pid in sg["params"]
+                    if "step" in saved_state.get(pid, {})
+                ]
+                sg["step"] = max(steps) if steps else 0.0
+        for frag in self.shard_fragments():
+            p = self.all_params[frag.param]
+            entry = saved_state.get(saved_id[id(p)], {})
+            r = frag.param_range
+            for sname, view in frag.tensors.items():
+                if sname == MASTER:
+                    continue
+                if sname in entry:
+                    view.copy_(entry[sname].detach().reshape(-1)[r.start : r.end])
+                else:
+                    view.zero_()
+            source = entry[MASTER] if MASTER in entry else p.detach()
+            frag.tensors[MASTER].copy_(source.detach().reshape(-1)[r.start : r.end])
+        self.sharded.refresh_masters(force=True)
+        self.import_param_groups(saved_groups)
+        self.publish_masters()
