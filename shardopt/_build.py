@@ -68,7 +68,7 @@ def compile_args(with_cuda: bool) -> dict[str, list[str]]:
     """Compiler flags, by compiler ("cxx", "nvcc")."""
     march = os.environ.get("SHARDOPT_CPU_MARCH", "native")
     # -freciprocal-math turns divisions by loop-invariant values (bias corrections) into
-    # multiplications; results stay within an ulp, far inside SPEC's tolerances.
+    # multiplications; results stay within an ulp, far inside docs/spec.md's tolerances.
     cxx = ["-O3", "-fopenmp", "-fopenmp-simd", "-fno-math-errno", "-freciprocal-math"]
     if platform.machine() in ("x86_64", "AMD64"):
         cxx.append("-mprefer-vector-width=512")

@@ -1,6 +1,6 @@
 """Plain-PyTorch reference optimizers: the test oracle for every shardopt kernel.
 
-Each update rule of the numerics contract (SPEC.md) is written here once, as a small function over
+Each update rule of the spec (docs/spec.md) is written here once, as a small function over
 one tensor that follows the spec's pseudo-code line by line, so a reader can check it against the
 spec without knowing anything about kernels, chunking or sharding. The classes wrap those functions
 with torch.optim-style param groups and keep fp64 copies of the params (any float dtype on request).
@@ -52,7 +52,7 @@ Tensor = torch.Tensor
 
 
 # ----------------------------------------------------------------------------------------------
-# Update rules: one tensor at a time, line by line as in SPEC.md. They update p and state in place.
+# Update rules: one tensor at a time, line by line as in docs/spec.md; p and state change in place.
 # ----------------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 ``run_vs_reference`` builds a fused optimizer and its ``shardopt.reference`` twin on the same start
 values, feeds both the same fresh random grads (the reference gets them upcast to fp64) and checks
-params, fp32 masters and per-element state after every step with SPEC's tolerances.
+params, fp32 masters and per-element state after every step with docs/spec.md's tolerances.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ DTYPES = [
 ]
 LOW_DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 
-# SPEC "Reference tolerances": (rtol, atol) of a param of this dtype against the fp64 reference.
+# docs/spec.md "Test tolerances": (rtol, atol) of a param of this dtype vs the fp64 reference.
 # fp64 kernels do fp64 math: 1e-8 is far below one fp32 rounding (6e-8), so an fp32 path shows.
 TOLERANCES = {
     torch.float32: (1.3e-6, 1e-5),
@@ -67,7 +67,7 @@ def _seed_torch():
 
 
 def skip_unsupported(dtype: torch.dtype, device: torch.device) -> None:
-    """fp64 params are a CPU option only (SPEC: shared rules, dtypes)."""
+    """fp64 params are a CPU option only (docs/spec.md: shared rules, dtypes)."""
     if dtype == torch.float64 and device.type != "cpu":
         pytest.skip("fp64 params are supported on CPU only")
 
@@ -95,7 +95,7 @@ def make_tensors(shapes, dtype: torch.dtype, device: torch.device, std: float = 
 
 def make_params(shapes, dtype: torch.dtype, device: torch.device) -> list:
     """Random params with |p| >= 1: a low-precision param crossing zero rounds its intermediate
-    values at their ulp, not the final one's, which SPEC's fixed atol does not allow for."""
+    values at their ulp, not the final one's, which docs/spec.md's fixed atol does not allow."""
     out = []
     for s in shapes:
         x = torch.randn(s)

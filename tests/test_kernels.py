@@ -173,7 +173,7 @@ def _stage1(lists, adam_w_mode=True, **kwargs):
 
 
 def _reference_sums(lists, grad_scale, adam_w_mode):
-    """fp64 (w_sq, u_sq, exp_avg, exp_avg_sq) from the inputs, with torch ops (SPEC's math)."""
+    """fp64 (w_sq, u_sq, exp_avg, exp_avg_sq) from the inputs, with torch ops (docs/spec.md)."""
     b1, b2, eps, wd, t = (LAMB_ARGS[k] for k in ("beta1", "beta2", "eps", "weight_decay", "step"))
     w_sq, u_sq, ms, vs = [], [], [], []
     for g, p, m, v in zip(*[[x.detach().cpu().double() for x in lst] for lst in lists]):

@@ -19,7 +19,7 @@ from shardopt import FusedNovoGrad, reference
 
 
 def _fp64_tolerance(dtype):
-    """SPEC keeps the second moments in one fp32 vector, so fp64 runs are only fp32-exact."""
+    """docs/spec.md: the second moments are one fp32 vector, so fp64 runs are only fp32-exact."""
     return dict(compare_as=torch.float32) if dtype == torch.float64 else {}
 
 

@@ -1,4 +1,4 @@
-// Adagrad per-element update (SPEC.md "FusedAdagrad"); shared by adagrad_cpu.cpp and adagrad_cuda.cu.
+// Adagrad per-element update (docs/spec.md "FusedAdagrad"); used by adagrad_{cpu.cpp,cuda.cu}.
 #pragma once
 
 #include "math_common.h"

@@ -1,4 +1,4 @@
-// Adam / AdamW per-element update (SPEC.md "FusedAdam"); shared by adam_cpu.cpp and adam_cuda.cu.
+// Adam / AdamW per-element update (docs/spec.md "FusedAdam"); used by adam_cpu.cpp, adam_cuda.cu.
 #pragma once
 
 #include "math_common.h"

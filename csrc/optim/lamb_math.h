@@ -1,4 +1,4 @@
-// LAMB per-element math (SPEC.md "FusedLAMB"), in two stages so per-tensor norms of the param and
+// LAMB per-element math (docs/spec.md "FusedLAMB"), in two stages so per-tensor norms of param and
 // of the update can be reduced (across shards, if need be) in between. Stage 1 updates the moments
 // and returns u, which the caller only squares into a per-tensor sum; stage 2 recomputes u from the
 // stored p, m, v with the same update_term, so u never goes to memory. Shared by lamb_cpu.cpp and

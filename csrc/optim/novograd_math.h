@@ -1,4 +1,4 @@
-// NovoGrad per-element update (SPEC.md "FusedNovoGrad"). The per-tensor second moment (a norm) is
+// NovoGrad element update (docs/spec.md "FusedNovoGrad"). The per-tensor second moment (a norm) is
 // updated outside the kernel on a small vector; the kernel receives it per tensor. Shared by
 // novograd_cpu.cpp and novograd_cuda.cu.
 #pragma once

@@ -1,4 +1,4 @@
-// SGD with momentum per-element update (SPEC.md "FusedSGD"); shared by sgd_cpu.cpp and sgd_cuda.cu.
+// SGD with momentum per-element update (docs/spec.md "FusedSGD"); used by sgd_cpu.cpp, sgd_cuda.cu.
 #pragma once
 
 #include "math_common.h"

@@ -27,7 +27,7 @@ STATE_NAMES = ("exp_avg", "exp_avg_sq")
 def clip_scale(
     grad_norm: torch.Tensor, max_grad_norm: float, inv_scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The grad multiplier of LAMB's built-in clipping (SPEC: no eps; 0 means no clipping).
+    """The grad multiplier of LAMB's built-in clipping (docs/spec.md: no eps; 0: no clipping).
 
     ``grad_norm`` is the norm of the unscaled grads; the result stays on the device (no sync).
     """

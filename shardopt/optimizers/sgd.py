@@ -71,7 +71,7 @@ class FusedSGD(FusedOptimizer):
         weight_decay: L2 penalty.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening == 0).
         wd_after_momentum: apply weight decay after the momentum instead of before.
-        materialize_master_grads: accepted for Apex compatibility (masters are kept in the kernel).
+        materialize_master_grads: accepted for Apex compatibility; no effect (no masters are kept).
         set_grad_none: default of ``zero_grad``'s ``set_to_none`` (False, as Apex).
 
     Raises:
