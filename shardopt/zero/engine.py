@@ -46,6 +46,7 @@ from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
 from shardopt.zero.sharded_params import Key, ShardedParams, ShardingConfig
 from shardopt.zero.state_io import StateIO
+from shardopt.zero.update_calls import Call, UpdateCalls
 
 FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -144,6 +145,7 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         self.param_sync = ParamSync(
             sharded, process_group=process_group, overlap=overlap_param_sync
         )
+        self.update_calls = UpdateCalls(sharded)
 
     # settings read by scripts and benchmarks
     state_dtype = property(lambda self: self.config.state_dtype)
@@ -218,6 +220,7 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         self.wait_param_sync()
         self.sharded.refresh_masters()
         self.grad_sync.finish()
+        self.update_calls.begin(self.grad_sync.unused_params(self.capturable))
         scalars = self.amp.step_scalars(self, grad_scaler, self.needs_grad_norm)
         for group in self.param_groups:
             if scalars.found_inf_t is None:
@@ -225,6 +228,7 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             else:
                 group["step"].add_(1 - scalars.found_inf_t.reshape(()))
         self._update(scalars)
+        self.update_calls.end(scalars.found_inf_t)
         self.param_sync.start()
         self._end_iteration()
         return loss
@@ -259,32 +263,23 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             return {"lr": 0.0, "lr_t": device_lr(lr, self.device)}
         return {"lr": float(lr)}
 
-    def _kernel_scalars(self, group: dict, scalars: StepScalars) -> dict[str, torch.Tensor | None]:
+    def _calls(self, key: Key, per_tensor: bool = False) -> list[Call]:
+        """This step's kernel calls over ``key`` (see Note: skipped params in update_calls.py):
+        per bucket chunk, or per fragment for rules with per-tensor norms."""
+        return self.update_calls.calls(key, per_tensor)
+
+    def _kernel_scalars(
+        self, group: dict, call: Call, scalars: StepScalars
+    ) -> dict[str, torch.Tensor | None]:
         return {
-            "step_t": group["step"].reshape(1),
+            "step_t": call.step_t(group),
             "grad_scale_t": scalars.grad_scale_t,
             "found_inf_t": scalars.found_inf_t,
         }
 
-    def _fragment_index(self, key: Key) -> torch.Tensor:
-        """Engine param index of each of this rank's fragments of ``key`` (device vector)."""
-        return self.sharded.fragment_indices[key.index]
-
     def _member_index(self, key: Key) -> torch.Tensor:
         """Engine param indices of every param of ``key`` (device vector)."""
         return self.sharded.member_indices[key.index]
-
-    def _outs(self, key: Key) -> list[torch.Tensor] | None:
-        """Per-bucket out slots of the update kernel (None when the master IS the param, so the
-        kernel updates the params in place and the all-gather runs in place)."""
-        if key.buffers.master_is_param:
-            return None
-        return key.buffers.chunks(key.buffers.sync_space)
-
-    def _fragment_outs(self, key: Key) -> list[torch.Tensor] | None:
-        if key.buffers.master_is_param:
-            return None
-        return key.buffers.fragment_outs(key.buffers.sync_space)
 
     # -- introspection and DCP -------------------------------------------------------------------
 
