@@ -63,12 +63,37 @@ def common_device(tensors: Sequence[Tensor], what: str = "tensors") -> torch.dev
     """The single device of ``tensors``; a clear error when they are spread over several."""
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        names = ", ".join(sorted(str(d) for d in devices))
+        first = tensors[0].device
+        i, t = next((i, t) for i, t in enumerate(tensors) if t.device != first)
         raise RuntimeError(
-            f"all {what} of one optimizer must be on one device, got {names}; use one optimizer "
-            "per device"
+            f"Expected all {what} to be on the same device: tensor {i} (shape "
+            f"{tuple(t.shape)}) is on {t.device}, not on the same device as tensor 0 ({first}); "
+            "use one optimizer per device"
         )
     return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def check_param_devices(params: Sequence[Tensor], owner: str, first_index: int = 0) -> torch.device:
+    """The one device of ``params`` that have grads (torch keeps each grad on its param's).
+
+    The error says "not on the same device" (torch's and Apex's wording) and names the param's
+    index among all the optimizer's params (``first_index`` is that of ``params[0]``), its shape
+    and both devices.
+    """
+    device = None
+    first = None
+    for i, p in enumerate(params, first_index):
+        if p.grad is None:
+            continue
+        if device is None:
+            device, first = p.device, i
+        elif p.device != device:
+            raise RuntimeError(
+                f"{owner}: param {i} (shape {tuple(p.shape)}) is on {p.device}, not on the same "
+                f"device as param {first} ({device}); all params of a param group must be on "
+                "one device: use one optimizer (or param group) per device"
+            )
+    return device if device is not None else torch.device("cpu")
 
 
 def _signature_groups(lists: TensorLists) -> list[list[int]]:

@@ -62,7 +62,16 @@ CASES = (
         pytest.param(f"sparse-{_name(c)}", c, _sparse_grad, RuntimeError, r"SparseAdam", marks=[])
         for c in ALL
     ]
-    + [(f"mixed-devices-{_name(c)}", c, _mixed_devices, RuntimeError, r"one device") for c in ALL]
+    + [
+        (
+            f"mixed-devices-{_name(c)}",
+            c,
+            _mixed_devices,
+            RuntimeError,
+            r"param 1 \(shape \(3,\)\) is on cpu, not on the same device as param 0 \(meta\)",
+        )
+        for c in ALL
+    ]
     + [
         (
             f"amsgrad-{_name(c)}",
