@@ -1,9 +1,10 @@
 """The one dispatch point between Python and the compiled kernels (``shardopt._C``).
 
-Every optimizer calls the kernels through this module. It checks that the tensors of one call share
-a device, groups tensor lists by their dtype signature (one kernel launch per group) and picks the
-CPU or CUDA backend. There is no silent Python fallback: a device without compiled kernels is an
-error that says how to build them.
+Every optimizer calls the kernels through this module. It hands the kernels DTensors' local shards
+(shardopt/optimizers/dtensor.py), checks that the tensors of one call share a device, groups tensor
+lists by their dtype signature (one kernel launch per group) and picks the CPU or CUDA backend.
+There is no silent Python fallback: a device without compiled kernels is an error that says how
+to build them.
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def _call(
     ``per_tensor`` vectors (one entry per tensor position) are sliced to each group. Returns each
     group's tensor positions with the kernel's result for them.
     """
-    lists = [list(lst) for lst in lists if lst is not None]
+    from shardopt.optimizers.dtensor import local_lists
+
+    lists = local_lists([lst for lst in lists if lst is not None])
     if not lists or not lists[0]:
         return []
     device = common_device([t for lst in lists for t in lst], "params and grads")
@@ -199,7 +202,9 @@ def norm(tensors: Sequence[Tensor], max_norm: bool = False) -> tuple[Tensor, Ten
 
     fp32 results (fp64 when every input is fp64) on the tensors' device; empty input gives zeros.
     """
-    tensors = list(tensors)
+    from shardopt.optimizers.dtensor import local_lists
+
+    (tensors,) = local_lists([tensors])
     if not tensors:
         z = torch.zeros((), dtype=torch.float32)
         return z, torch.zeros(0, dtype=torch.float32)
@@ -217,5 +222,8 @@ def scale(
     """dst = src * scale (``scale_t`` if given); sets ``found_inf`` to 1 on any inf/nan in src."""
     if not src:
         return
-    device = common_device(list(src) + list(dst) + [found_inf])
-    _backend(device).scale([list(src), list(dst)], scale, scale_t, found_inf)
+    from shardopt.optimizers.dtensor import local_lists
+
+    src, dst = local_lists([src, dst])
+    device = common_device(src + dst + [found_inf])
+    _backend(device).scale([src, dst], scale, scale_t, found_inf)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from shardopt import _ops
+from shardopt.optimizers.dtensor import check_param_types
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -229,6 +230,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         first = sum(len(g["params"]) for g in self.param_groups)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        check_param_types(group["params"], type(self).__name__, first_index=first)
         check_param_dtypes([group], type(self).__name__, first_index=first)
         group.setdefault("step", 0)
 

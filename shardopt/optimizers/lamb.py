@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from shardopt import _ops
+from shardopt.optimizers import dtensor
 from shardopt.optimizers.fused_optimizer import (
     FusedOptimizer,
     check_grad,
@@ -222,7 +223,11 @@ class FusedLAMB(FusedOptimizer):
         # max_grad_norm is read from the constructor defaults (Apex's behaviour).
         max_grad_norm = self.defaults["max_grad_norm"]
         if max_grad_norm > 0:
-            total_sq, _ = _ops.norm(grads)
+            if dtensor.any_dtensor(grads):  # the norm of the full grads: shards' sums all-reduced
+                _, per = _ops.norm(grads)
+                total_sq = dtensor.reduce_per_tensor(per, grads).sum()
+            else:
+                total_sq, _ = _ops.norm(grads)
             norm = total_sq.sqrt()
             if inv_scale is not None:
                 norm = norm * inv_scale
@@ -247,6 +252,10 @@ class FusedLAMB(FusedOptimizer):
             grad_scale_t=self._grad_scale_t.to(device),
             **scalars,
         )
+        if dtensor.any_dtensor(math_params):  # ||w||, ||u|| of the full tensors
+            n = len(math_params)
+            both = dtensor.reduce_per_tensor(torch.cat([w_sq, u_sq]), list(math_params) * 2)
+            w_sq, u_sq = both[:n], both[n:]
         lamb_stage2_apply(
             group,
             math_params,

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from shardopt import _ops
+from shardopt.optimizers import dtensor
 from shardopt.optimizers.fused_optimizer import (
     FusedOptimizer,
     acc_dtype,
@@ -178,6 +179,8 @@ class FusedNovoGrad(FusedOptimizer):
         fresh = torch.tensor(["exp_avg" not in self.state[p] for p in params], device=device)
         (exp_avg,) = self._state_tensors(params)
         _, per = _ops.norm(grads, max_norm=group["norm_type"] == 0)
+        if dtensor.any_dtensor(grads):  # norms of the full grads from the shards' partial ones
+            per = dtensor.reduce_per_tensor(per, grads, "max" if group["norm_type"] == 0 else "sum")
         n = grad_norms(group["norm_type"], per.to(device))
         v = blend_second_moment(
             group["exp_avg_sq"].index_select(0, pos),
