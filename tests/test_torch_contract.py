@@ -34,15 +34,15 @@ CLASSES = [FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD, FusedAdagrad, FusedMix
 WITH_BETAS = [FusedAdam, FusedLAMB, FusedNovoGrad, FusedMixedPrecisionLamb]
 
 
-def _params(*shapes, seed=0):
+def _params(*shapes, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
+    return [torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes]
 
 
 def _set_grads(params, step, sign=1.0):
     gen = torch.Generator().manual_seed(100 + step)
     for p in params:
-        p.grad = sign * torch.randn(p.shape, generator=gen)
+        p.grad = (sign * torch.randn(p.shape, generator=gen)).to(p.device)
 
 
 def _group_lr(group) -> float:
@@ -321,7 +321,7 @@ MAXIMIZE_CASES = [
     ),
     pytest.param(
         lambda ps, **kw: FusedAdam(
-            ps, lr=torch.tensor(1e-2), weight_decay=0.1, capturable=True, **kw
+            ps, lr=torch.tensor(1e-2, device=ps[0].device), weight_decay=0.1, capturable=True, **kw
         ),
         lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, maximize=True),
         id="adamw-capturable",
@@ -345,10 +345,10 @@ MAXIMIZE_CASES = [
 
 
 @pytest.mark.parametrize("make, make_torch", MAXIMIZE_CASES)
-def test_maximize_matches_torch_and_negated_grads(make, make_torch):
+def test_maximize_matches_torch_and_negated_grads(make, make_torch, device):
     """maximize=True negates the grad inside the kernel (grads are left as they are): the same
     as torch.optim's maximize, and bitwise the same as minimizing with negated grads."""
-    ours, negated, theirs = _params((4, 3), (7,)), _params((4, 3), (7,)), _params((4, 3), (7,))
+    ours, negated, theirs = (_params((4, 3), (7,), device=device) for _ in range(3))
     opt, neg, ref = make(ours, maximize=True), make(negated), make_torch(theirs)
     assert opt.param_groups[0]["maximize"] is True
     for step in range(4):
