@@ -1,9 +1,10 @@
 """The one dispatch point between Python and the compiled kernels (``shardopt._C``).
 
-Every optimizer calls the kernels through this module. It checks that the tensors of one call share
-a device, groups tensor lists by their dtype signature (one kernel launch per group) and picks the
-CPU or CUDA backend. There is no silent Python fallback: a device without compiled kernels is an
-error that says how to build them.
+Every optimizer calls the kernels through this module. It hands the kernels DTensors' local shards
+(shardopt/optimizers/dtensor.py), checks that the tensors of one call share a device, groups tensor
+lists by their dtype signature (one kernel launch per group) and picks the CPU or CUDA backend.
+There is no silent Python fallback: a device without compiled kernels is an error that says how
+to build them.
 """
 
 from __future__ import annotations
@@ -63,12 +64,37 @@ def common_device(tensors: Sequence[Tensor], what: str = "tensors") -> torch.dev
     """The single device of ``tensors``; a clear error when they are spread over several."""
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        names = ", ".join(sorted(str(d) for d in devices))
+        first = tensors[0].device
+        i, t = next((i, t) for i, t in enumerate(tensors) if t.device != first)
         raise RuntimeError(
-            f"all {what} of one optimizer must be on one device, got {names}; use one optimizer "
-            "per device"
+            f"Expected all {what} to be on the same device: tensor {i} (shape "
+            f"{tuple(t.shape)}) is on {t.device}, not on the same device as tensor 0 ({first}); "
+            "use one optimizer per device"
         )
     return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def check_param_devices(params: Sequence[Tensor], owner: str, first_index: int = 0) -> torch.device:
+    """The one device of ``params`` that have grads (torch keeps each grad on its param's).
+
+    The error says "not on the same device" (torch's and Apex's wording) and names the param's
+    index among all the optimizer's params (``first_index`` is that of ``params[0]``), its shape
+    and both devices.
+    """
+    device = None
+    first = None
+    for i, p in enumerate(params, first_index):
+        if p.grad is None:
+            continue
+        if device is None:
+            device, first = p.device, i
+        elif p.device != device:
+            raise RuntimeError(
+                f"{owner}: param {i} (shape {tuple(p.shape)}) is on {p.device}, not on the same "
+                f"device as param {first} ({device}); all params of a param group must be on "
+                "one device: use one optimizer (or param group) per device"
+            )
+    return device if device is not None else torch.device("cpu")
 
 
 def _signature_groups(lists: TensorLists) -> list[list[int]]:
@@ -91,7 +117,9 @@ def _call(
     ``per_tensor`` vectors (one entry per tensor position) are sliced to each group. Returns each
     group's tensor positions with the kernel's result for them.
     """
-    lists = [list(lst) for lst in lists if lst is not None]
+    from shardopt.optimizers.dtensor import local_lists
+
+    lists = local_lists([lst for lst in lists if lst is not None])
     if not lists or not lists[0]:
         return []
     device = common_device([t for lst in lists for t in lst], "params and grads")
@@ -174,7 +202,9 @@ def norm(tensors: Sequence[Tensor], max_norm: bool = False) -> tuple[Tensor, Ten
 
     fp32 results (fp64 when every input is fp64) on the tensors' device; empty input gives zeros.
     """
-    tensors = list(tensors)
+    from shardopt.optimizers.dtensor import local_lists
+
+    (tensors,) = local_lists([tensors])
     if not tensors:
         z = torch.zeros((), dtype=torch.float32)
         return z, torch.zeros(0, dtype=torch.float32)
@@ -192,5 +222,8 @@ def scale(
     """dst = src * scale (``scale_t`` if given); sets ``found_inf`` to 1 on any inf/nan in src."""
     if not src:
         return
-    device = common_device(list(src) + list(dst) + [found_inf])
-    _backend(device).scale([list(src), list(dst)], scale, scale_t, found_inf)
+    from shardopt.optimizers.dtensor import local_lists
+
+    src, dst = local_lists([src, dst])
+    device = common_device(src + dst + [found_inf])
+    _backend(device).scale([src, dst], scale, scale_t, found_inf)

@@ -372,6 +372,49 @@ def misuse_frozen_then_unfrozen(rank, world):
         opt.step()
 
 
+DISTRIBUTED = [
+    shardopt.DistributedFusedAdam,
+    shardopt.DistributedFusedLAMB,
+    shardopt.DistributedFusedNovoGrad,
+    shardopt.DistributedFusedAdagrad,
+    lambda ps, *a, **kw: shardopt.DistributedFusedSGD(ps, 0.1, *a, **kw),
+]
+
+
+def misuse_add_param_group_and_hyperparams(rank, world):
+    """add_param_group after construction is a clear NotImplementedError; hyperparameters are
+    checked as by the single-process classes (the shared check_hyperparams); torch.optim's
+    foreach/fused are accepted, maximize/differentiable rejected."""
+    for make in DISTRIBUTED:
+        model = nn.Linear(3, 2)
+        opt = make([model.weight])
+        name = type(opt).__name__
+        with pytest.raises(NotImplementedError, match=rf"{name}.*add_param_group.*construct"):
+            opt.add_param_group({"params": [model.bias]})
+        assert len(opt.param_groups) == 1
+        opt.close()
+        with pytest.raises(ValueError, match=r"Invalid weight_decay value: -1"):
+            make(model.parameters(), weight_decay=-1.0)
+        with pytest.raises(ValueError, match=r"Invalid weight_decay value: nan"):
+            make(model.parameters(), weight_decay=float("nan"))
+        with pytest.raises(NotImplementedError, match=rf"{name}.*differentiable"):
+            make(model.parameters(), differentiable=True)
+        with pytest.raises(NotImplementedError, match=rf"{name}.*maximize"):
+            make(model.parameters(), maximize=True)
+        make(model.parameters(), foreach=True, fused=True).close()
+    for cls in (
+        shardopt.DistributedFusedAdam,
+        shardopt.DistributedFusedLAMB,
+        shardopt.DistributedFusedNovoGrad,
+    ):
+        with pytest.raises(ValueError, match=r"Invalid learning rate: -1.0"):
+            cls(nn.Linear(3, 2).parameters(), lr=-1.0)
+        with pytest.raises(ValueError, match=r"Invalid beta parameter at index 1: 1.0"):
+            cls(nn.Linear(3, 2).parameters(), betas=(0.9, 1.0))
+        with pytest.raises(TypeError, match=r"bias_correction.*Apex's positional order"):
+            cls(nn.Linear(3, 2).parameters(), 1e-3, (0.9, 0.999))
+
+
 def capturable_tensor_lr(rank, world):
     """capturable=True with a device-tensor lr (what a CUDA-graph capture needs): same result as
     a float lr changed on the host; loading a state dict keeps the lr and step tensors bound."""
@@ -443,6 +486,7 @@ CASES = [
     misuse_params_differ,
     misuse_ddp_wrapped,
     misuse_frozen_then_unfrozen,
+    misuse_add_param_group_and_hyperparams,
     capturable_tensor_lr,
     misuse_capturable,
     overlap_param_sync_waits_in_forward,

@@ -154,6 +154,16 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
     overlap_grad_sync = property(lambda self: self.config.overlap_grad_sync)
     overlap_param_sync = property(lambda self: self.config.overlap_param_sync)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only the constructor's groups: the flat layout is planned from them at construction."""
+        if "keys" in vars(self):
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support add_param_group after construction: its "
+                "flat buffers and shards are planned from the param groups when it is built; "
+                "pass every param group to the constructor (or build a new optimizer)"
+            )
+        super().add_param_group(param_group)
+
     def close(self) -> None:
         """Removes the grad hooks and finishes in-flight param sync (the optimizer is unusable)."""
         self.wait_param_sync()

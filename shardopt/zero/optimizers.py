@@ -13,10 +13,14 @@ import torch
 
 from shardopt.optimizers.adagrad import adagrad_apply
 from shardopt.optimizers.adam import adam_apply
-from shardopt.optimizers.fused_optimizer import reject_amsgrad
+from shardopt.optimizers.fused_optimizer import (
+    check_hyperparams,
+    check_torch_flags,
+    reject_amsgrad,
+)
 from shardopt.optimizers.lamb import clip_scale, lamb_stage1_apply, lamb_stage2_apply
 from shardopt.optimizers.novograd import blend_second_moment, check_norm_type
-from shardopt.optimizers.sgd import _REQUIRED, check_sgd_args, sgd_apply
+from shardopt.optimizers.sgd import _REQUIRED, check_sgd_lr, sgd_apply
 from shardopt.zero import comm
 from shardopt.zero.amp import StepScalars
 from shardopt.zero.engine import DistributedOptimizer
@@ -38,7 +42,23 @@ ZERO_ARGS_DOC = """
         capturable: the step may be captured in a CUDA graph (with the forward and backward):
             no host sync, every collective joined before step() returns, lr may be a device
             tensor; needs overlap_param_sync=False and no GradScaler.
+        foreach, fused: accepted for torch.optim compatibility; no effect.
+        maximize, differentiable: must be False (True raises NotImplementedError).
+
+    Hyperparameters are checked as by the single-process classes (``check_hyperparams``).
+    ``add_param_group`` after construction raises NotImplementedError: the flat buffers and shards
+    are planned from the param groups at construction.
 """
+
+_TORCH_FLAGS = ("maximize", "foreach", "fused", "differentiable")
+
+
+def _check_args(owner: str, defaults: dict, zero_args: dict) -> None:
+    """The single-process classes' argument checks; takes torch.optim's common flags out of
+    ``zero_args`` (the engine's keyword arguments)."""
+    flags = {k: zero_args.pop(k) for k in _TORCH_FLAGS if k in zero_args}
+    check_torch_flags(owner, maximize_supported=False, **flags)
+    check_hyperparams(defaults, owner)
 
 
 class DistributedFusedAdam(DistributedOptimizer):
@@ -77,6 +97,7 @@ class DistributedFusedAdam(DistributedOptimizer):
             adam_w_mode=adam_w_mode,
             weight_decay=weight_decay,
         )
+        _check_args(type(self).__name__, defaults, zero_args)
         super().__init__(params, defaults, **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
@@ -116,7 +137,7 @@ class DistributedFusedSGD(DistributedOptimizer):
         wd_after_momentum: bool = False,
         **zero_args,
     ) -> None:
-        check_sgd_args(lr, momentum, dampening, weight_decay, nesterov)
+        check_sgd_lr(lr, type(self).__name__)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -125,6 +146,7 @@ class DistributedFusedSGD(DistributedOptimizer):
             nesterov=nesterov,
             wd_after_momentum=wd_after_momentum,
         )
+        _check_args(type(self).__name__, defaults, zero_args)
         super().__init__(params, defaults, **zero_args)
         #: per group, 1 once the momentum buffers hold a momentum (a device flag: the first step
         #: may be skipped by a GradScaler, and reading that on the host would sync)
@@ -181,6 +203,7 @@ class DistributedFusedAdagrad(DistributedOptimizer):
         **zero_args,
     ) -> None:
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode)
+        _check_args(type(self).__name__, defaults, zero_args)
         super().__init__(params, defaults, **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
@@ -238,6 +261,7 @@ class DistributedFusedLAMB(DistributedOptimizer):
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
         )
+        _check_args(type(self).__name__, defaults, zero_args)
         super().__init__(params, defaults, **zero_args)
         # the global grad norm is only needed to clip (max_grad_norm=0: no clipping, no norm pass)
         self.needs_grad_norm = max_grad_norm > 0
@@ -328,6 +352,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             norm_type=norm_type,
             init_zero=init_zero,
         )
+        _check_args(type(self).__name__, defaults, zero_args)
         super().__init__(params, defaults, **zero_args)
         self.second_moment = torch.zeros(len(self.params), dtype=torch.float32, device=self.device)
 
