@@ -45,16 +45,20 @@ def _loss(model, idx, tgt, scale=1.0):
 
 
 def _avg_grads(model, step, world):
-    """The rank-averaged gradient, computed locally by replaying every rank's batch."""
+    """The rank-averaged gradient, computed locally by replaying every rank's batch; None for a
+    param no rank computed a grad for (DDP(find_unused_parameters=True) leaves it None, so
+    torch.optim skips it)."""
     grads = [torch.zeros_like(p) for p in model.parameters()]
+    seen = [False] * len(grads)
     for r in range(world):
         model.zero_grad(set_to_none=True)
         _loss(model, *_data(step, r)).backward()
-        for g, p in zip(grads, model.parameters()):
+        for i, (g, p) in enumerate(zip(grads, model.parameters())):
             if p.grad is not None:
                 g += p.grad / world
+                seen[i] = True
     model.zero_grad(set_to_none=True)
-    return grads
+    return [g if s else None for g, s in zip(grads, seen)]
 
 
 def _assert_same(a: nn.Module, b: nn.Module, tol=TOL):
@@ -74,10 +78,15 @@ def tied_unused_reused(rank, world):
         _loss(model, *_data(step, rank)).backward()
         opt.step()
         for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
-            p.grad = g  # the unused param gets a zero grad, as in the sharded optimizer
+            p.grad = g  # None for the unused param: skipped, as torch.optim skips it
         ref_opt.step()
         _assert_same(model, ref)
     assert model.out.weight is model.emb.weight
+    state = opt.state_dict()["state"]
+    ids = {id(p): i for i, p in enumerate(model.parameters())}
+    for p in model.unused.parameters():
+        assert float(state[ids[id(p)]]["step"]) == 0.0
+        assert not state[ids[id(p)]]["exp_avg"].any()
 
 
 def matches_ddp_adamw(rank, world):
@@ -114,7 +123,7 @@ def clip_grad_norm_matches_torch(rank, world):
         norm = opt.clip_grad_norm(0.3)
         opt.step()
         for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
-            p.grad = g * 10.0
+            p.grad = None if g is None else g * 10.0
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
         ref_opt.step()
         torch.testing.assert_close(norm, ref_norm, **TOL)
@@ -427,6 +436,7 @@ def capturable_tensor_lr(rank, world):
     ):
         torch.manual_seed(0)
         model = Net()
+        del model.unused  # under capture no param is skipped (no host sync to learn which)
         ref = copy.deepcopy(model)
         lr = torch.tensor(0.05)
         opt = cls(model.parameters(), lr=lr, capturable=True, bucket_cap_mb=64 * 4 / 2**20, **kw)

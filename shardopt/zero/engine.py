@@ -34,6 +34,7 @@ buffer (shared by every param of the key); writes through ``p.data`` bypass it a
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -146,6 +147,10 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             sharded, process_group=process_group, overlap=overlap_param_sync
         )
         self.update_calls = UpdateCalls(sharded)
+        self._closed = False
+        owner = weakref.ref(self)
+        for p in self.params:
+            p._shardopt_owner = owner
 
     # settings read by scripts and benchmarks
     state_dtype = property(lambda self: self.config.state_dtype)
@@ -168,6 +173,10 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         """Removes the grad hooks and finishes in-flight param sync (the optimizer is unusable)."""
         self.wait_param_sync()
         self.grad_sync.remove_hooks()
+        for p in self.params:
+            if getattr(p, "_shardopt_owner", lambda: None)() is self:
+                del p._shardopt_owner
+        self._closed = True
 
     # -- grad sync, norms, param sync --------------------------------------------------------------
 
@@ -223,6 +232,11 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             grad_scaler: passed by ``torch.amp.GradScaler.step``; the overflow decision is the
                 same on every rank and the step is skipped everywhere on inf/nan.
         """
+        if self._closed:
+            raise RuntimeError(
+                f"{type(self).__name__}: step() after close(): the optimizer no longer syncs "
+                "grads; build a new one"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -86,6 +86,21 @@ class ShardedParams:
                     f"{owner} supports float32, float16 and bfloat16 params; use FusedAdam etc. "
                     "for float64"
                 )
+        seen: dict[int, int] = {}
+        for i, p in enumerate(self.all_params):
+            if id(p) in seen:
+                raise ValueError(
+                    f"{owner}: param {i} is the same tensor as param {seen[id(p)]}; pass each "
+                    "param once (tied params are one param)"
+                )
+            seen[id(p)] = i
+            other = getattr(p, "_shardopt_owner", lambda: None)()
+            if other is not None:
+                raise ValueError(
+                    f"{owner}: param {i} {tuple(p.shape)} already belongs to another distributed "
+                    f"optimizer ({type(other).__name__}); a param can be sharded by one optimizer "
+                    "only (close() the other one first)"
+                )
         self.params: list[torch.Tensor] = [p for p in self.all_params if p.requires_grad]
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
         position = {id(p): i for i, p in enumerate(self.all_params)}
