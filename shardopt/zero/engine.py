@@ -203,18 +203,24 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         """
         return self.amp.grad_norm()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, grad_scaler=None) -> torch.Tensor:
         """Clips the grads as ``torch.nn.utils.clip_grad_norm_`` would on the full averaged grads.
 
         The coefficient ``min(1, max_norm / (norm + 1e-6))`` is folded into the kernel's grad scale
         at ``step()`` (no extra pass, no host sync); with a GradScaler the norm is taken on the
         unscaled grads inside the step. Call after the last backward and before ``step()``.
 
+        Args:
+            max_norm: the largest norm the averaged grads may have.
+            grad_scaler: the GradScaler in use, if any; only needed in the first iteration (later
+                the one ``step()`` received is known).
+
         Returns:
-            The total norm before clipping (a device scalar; loss-scaled under a GradScaler).
+            The total norm before clipping (a device scalar): of the unscaled grads after
+            ``scaler.unscale_(optimizer)``, as ``torch.nn.utils.clip_grad_norm_`` returns it,
+            else of the grads as they are (loss-scaled under a GradScaler).
         """
-        self.amp.max_norm = float(max_norm)
-        return self.grad_norm()
+        return self.amp.clip(self, max_norm, grad_scaler)
 
     def wait_param_sync(self) -> None:
         """Waits for the param all-gathers of the last step (needed only with

@@ -228,6 +228,7 @@ class ShardedParams:
                 continue
             for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
                 master.copy_(buf.fragment_param_view(self.params[f.param].data, f))
+        self._view_ptrs = [v.data_ptr() for v in self.views]
         self.note_params_published()
 
     # -- params changed after construction (see Note: the params are the truth) ------------------
@@ -242,9 +243,10 @@ class ShardedParams:
         device (``p.data = ...``, a framework's prepare step); returns their indices. Raises,
         naming the param, when a param can no longer be a view of its buffer."""
         rebound = []
-        for i, (p, view) in enumerate(zip(self.params, self.views)):
-            if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
+        for i, (p, ptr) in enumerate(zip(self.params, self._view_ptrs)):
+            if p.data_ptr() == ptr:  # the hot path: one call per param
                 continue
+            view = self.views[i]
             if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
                 raise RuntimeError(
                     f"{self.owner}: param {self.all_index[i]} was replaced after the optimizer "
