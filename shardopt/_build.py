@@ -23,24 +23,19 @@ from types import ModuleType
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
-CPU_SOURCES = [
-    "bindings.cpp",
-    "optim/adam_cpu.cpp",
-    "optim/sgd_cpu.cpp",
-    "optim/adagrad_cpu.cpp",
-    "optim/lamb_cpu.cpp",
-    "optim/novograd_cpu.cpp",
-    "norm/norm_cpu.cpp",
-    "norm/scale_cpu.cpp",
-]
-CUDA_SOURCES = [
-    "optim/adam_cuda.cu",
-    "optim/sgd_cuda.cu",
-    "optim/adagrad_cuda.cu",
-    "optim/lamb_cuda.cu",
-    "optim/novograd_cuda.cu",
-    "norm/norm_cuda.cu",
-    "norm/scale_cuda.cu",
+# The optimizers, by source stem: csrc/optim/<stem>_math.h, <stem>_cpu.cpp and <stem>_cuda.cu. Their
+# kernel entry points (declarations and Python bindings) are listed in csrc/kernels.def.
+OPTIMIZERS = ["adam", "sgd", "adagrad", "lamb", "novograd"]
+# The norm and scale kernels: csrc/norm/<stem>_cpu.cpp and <stem>_cuda.cu.
+NORM_KERNELS = ["norm", "scale"]
+
+CPU_SOURCES = (
+    ["bindings.cpp"]
+    + [f"optim/{name}_cpu.cpp" for name in OPTIMIZERS]
+    + [f"norm/{name}_cpu.cpp" for name in NORM_KERNELS]
+)
+CUDA_SOURCES = [f"optim/{name}_cuda.cu" for name in OPTIMIZERS] + [
+    f"norm/{name}_cuda.cu" for name in NORM_KERNELS
 ]
 
 
