@@ -76,6 +76,7 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         overlap_grad_sync: bool = True,
         overlap_param_sync: bool = False,
         capturable: bool = False,
+        skip_unused_params: bool = True,
     ) -> None:
         name = type(self).__name__
         comm.require_initialized(name)
@@ -109,6 +110,7 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             overlap_grad_sync=overlap_grad_sync,
             overlap_param_sync=overlap_param_sync,
             capturable=capturable,
+            skip_unused_params=skip_unused_params and not capturable,
         )
         self.sharded = ShardedParams(
             self.param_groups,
@@ -250,7 +252,8 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         self.wait_param_sync()
         self.sharded.refresh_masters()
         self.grad_sync.finish()
-        self.update_calls.begin(self.grad_sync.unused_params(self.capturable))
+        if self.config.skip_unused_params:
+            self.update_calls.begin(self.grad_sync.unused_params())
         scalars = self.amp.step_scalars(self, grad_scaler, self.needs_grad_norm)
         for group in self.param_groups:
             if scalars.found_inf_t is None:

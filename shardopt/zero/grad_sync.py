@@ -224,12 +224,9 @@ class GradSync:
                 comm.all_reduce(key.buffers.grad_shard, self.redundant_process_group)
         it.synced = True
 
-    def unused_params(self, capturable: bool) -> frozenset[int]:
+    def unused_params(self) -> frozenset[int]:
         """Params no rank computed a grad for in this iteration (see Note: skipped params in
-        update_calls.py): one all-reduce of a flag per param. Collective; not under capture,
-        where every param is updated."""
-        if capturable:
-            return frozenset()
+        update_calls.py): one all-reduce of a flag per param and a host sync. Collective."""
         n = len(self.sharded.params)
         flags = torch.zeros(n, dtype=torch.float32)
         if self.iteration.touched:

@@ -39,6 +39,9 @@ ZERO_ARGS_DOC = """
         overlap_grad_sync: start a bucket's reduce-scatter during backward once its grads are in.
         overlap_param_sync: leave the param all-gathers in flight after step() and wait for them
             just before the next module forward.
+        skip_unused_params: skip params no rank computed a grad for, as torch.optim under
+            DDP(find_unused_parameters=True) does (one small all-reduce and a host sync per
+            step); False updates them with a zero grad (no sync). Off under ``capturable``.
         capturable: the step may be captured in a CUDA graph (with the forward and backward):
             no host sync, every collective joined before step() returns, lr may be a device
             tensor; needs overlap_param_sync=False and no GradScaler.

@@ -45,6 +45,7 @@ class ShardingConfig:
     overlap_grad_sync: bool
     overlap_param_sync: bool
     capturable: bool
+    skip_unused_params: bool
 
     def describe(self) -> tuple:
         return tuple(str(v) for v in self.__dict__.values())
