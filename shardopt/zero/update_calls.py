@@ -8,9 +8,9 @@ Note: skipped params
     zero-grad update) and leaves their fragments out of the kernel calls. A param's own step is
     its group's step minus the steps it skipped (its *offset*); fragments are grouped by offset
     so every kernel call gets one ``step_t``. When no param skipped anything (the usual case) a
-    key is updated bucket by bucket, one call over whole chunks; otherwise elementwise rules take runs of
-    adjacent fragments (alignment gaps included: zero grads and zero state stay zero) and
-    per-tensor rules (LAMB, NovoGrad) take fragments.
+    key is updated bucket by bucket, one call over whole chunks; otherwise elementwise rules take
+    runs of adjacent fragments (alignment gaps included: zero grads and zero state stay zero)
+    and per-tensor rules (LAMB, NovoGrad) take fragments.
 """
 
 from __future__ import annotations
