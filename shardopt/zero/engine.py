@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
-from shardopt.zero import comm
+from shardopt.zero import apex_compat, comm
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
@@ -52,7 +52,7 @@ from shardopt.zero.update_calls import Call, UpdateCalls
 FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-class DistributedOptimizer(StateIO, torch.optim.Optimizer):
+class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimizer):
     """Common engine of the ZeRO-sharded optimizers (not used directly)."""
 
     state_names: tuple[str, ...] = ()
@@ -77,14 +77,20 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         overlap_param_sync: bool = False,
         capturable: bool = False,
         skip_unused_params: bool = True,
+        **apex_args: Any,
     ) -> None:
         name = type(self).__name__
         comm.require_initialized(name)
+        whole_group = process_group
+        apex = apex_compat.resolve(name, process_group, apex_args)
+        process_group = apex["process_group"]
+        apex_compat.check_apex_groups(name, whole_group, process_group, redundant_process_group)
         super().__init__(params, defaults)
         check_param_dtypes(self.param_groups, name)
         if dtype != torch.float32:
             raise TypeError(
-                f"{name}: dtype (master/state dtype) must be torch.float32, got {dtype}"
+                f"{name}: dtype (master/state dtype) must be torch.float32, got {dtype} "
+                "(16-bit optimizer state is not implemented)"
             )
         for arg, value in (
             ("grad_sync_dtype", grad_sync_dtype),
@@ -121,6 +127,8 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             owner=name,
         )
         sharded = self.sharded
+        apex_compat.check_device(name, apex["device"], sharded.device)
+        apex_compat.warn_underfilled(name, sharded.keys)
         self.rank, self.world_size = sharded.rank, sharded.world_size
         self.redundant_size = (
             comm.world_size(redundant_process_group) if redundant_process_group is not None else 1
@@ -136,6 +144,7 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             process_group=process_group,
             redundant_process_group=redundant_process_group,
             overlap=overlap_grad_sync,
+            buckets_in_flight=apex["pipeline_size"],
         )
         ranks = self.world_size * self.redundant_size
         self.amp = AmpClip(

@@ -23,7 +23,7 @@ from shardopt.zero import comm
 from shardopt.zero.sharded_params import Key, ShardedParams
 
 # Reduce-scatters in flight during backward before the oldest is waited on (on the compute
-# stream, no host sync on NCCL) and its transient grad bucket released.
+# stream, no host sync on NCCL) and its transient grad bucket released; Apex's pipeline_size.
 MAX_GRAD_BUCKETS_IN_FLIGHT = 2
 
 BucketId = tuple[int, int]  # (key index, bucket index)
@@ -57,8 +57,10 @@ class GradSync:
         process_group: comm.ProcessGroup | None,
         redundant_process_group: comm.ProcessGroup | None,
         overlap: bool,
+        buckets_in_flight: int = MAX_GRAD_BUCKETS_IN_FLIGHT,
     ) -> None:
         self.sharded = sharded
+        self.buckets_in_flight = buckets_in_flight
         self.process_group = process_group
         self.redundant_process_group = redundant_process_group
         self.overlap = overlap
@@ -175,7 +177,7 @@ class GradSync:
             it.next_launch += 1
             if not force:
                 # bound the transient grad memory; the step waits for the rest
-                while it.next_wait < len(it.handles) - MAX_GRAD_BUCKETS_IN_FLIGHT:
+                while it.next_wait < len(it.handles) - self.buckets_in_flight:
                     it.handles[it.next_wait].wait()
                     it.next_wait += 1
 
