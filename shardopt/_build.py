@@ -242,9 +242,10 @@ def _rebuild_advice() -> str:
     import torch
 
     return (
-        f"reinstall shardopt for torch {torch.__version__} (`pip install --no-build-isolation "
-        "--force-reinstall --no-deps shardopt`, or `pip install --no-build-isolation -e .` in a "
-        "checkout), or set SHARDOPT_FORCE_JIT=1 to build it just in time"
+        f"rebuild shardopt against torch {torch.__version__} (`pip install --no-build-isolation "
+        "--force-reinstall --no-deps` with the sdist or checkout; `pip install "
+        "--no-build-isolation -e .` for an editable install), install a wheel built for it, or "
+        "set SHARDOPT_FORCE_JIT=1 to build it just in time"
     )
 
 
@@ -276,8 +277,11 @@ def _import_prebuilt(name: str) -> ModuleType:
     try:
         return importlib.import_module(fullname)
     except ImportError as e:
+        built = (build_info() or {}).get("torch")
+        against = f" (built against torch {built})" if built else ""
         raise ImportError(
-            f"shardopt's prebuilt extension {spec.origin} does not load ({e}); {_rebuild_advice()}"
+            f"shardopt's prebuilt extension {spec.origin}{against} does not load ({e}); "
+            f"{_rebuild_advice()}"
         ) from e
 
 
