@@ -25,11 +25,14 @@ from pathlib import Path
 import torch
 
 CPU_SUFFIXES = (".h", ".cpp", ".cu", ".cuh")
+PASSED = [0]
 
 
 def check(cond: bool, what: str) -> None:
     if not cond:
-        raise SystemExit(f"dist-check FAILED: {what}")
+        print(f"dist-check FAILED: {what}")
+        raise SystemExit(f"dist-check: {PASSED[0]} passed, 1 failed")
+    PASSED[0] += 1
     print(f"  ok  {what}")
 
 
@@ -154,7 +157,7 @@ def main() -> None:
     check_installed()
     if args.jit:
         check_jit()
-    print("dist-check: all checks passed")
+    print(f"dist-check: {PASSED[0]} passed, 0 failed")
 
 
 if __name__ == "__main__":
