@@ -4,11 +4,13 @@ NPROC ?= 2
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup train test test-gpu bench lint clean
+.PHONY: deps setup train test test-gpu dist-check bench lint clean
 
-setup:
+deps:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -q -r requirements-dev.txt
+
+setup: deps
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
 
 train: setup
@@ -16,6 +18,10 @@ train: setup
 
 test: setup
 	$(PYTHON) -m pytest tests -q -m "not cuda and not multigpu" --durations=15 $(PYTEST_ARGS)
+
+# sdist -> wheel from the sdist alone -> clean venv -> smoke test outside the tree (.ci/dist-check)
+dist-check: deps
+	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" bash .ci/dist-check
 
 test-gpu:
 	$(PYTHON) -m pytest tests -q -m "cuda" $(PYTEST_ARGS)
@@ -28,4 +34,4 @@ lint:
 	$(PYTHON) -m ruff format --check shardopt tests launch_scripts
 
 clean:
-	rm -rf build *.egg-info shardopt/*.so
+	rm -rf build dist *.egg-info shardopt/*.so shardopt/_build_info.json

@@ -21,6 +21,7 @@ Tensor = torch.Tensor
 TensorLists = Sequence[Sequence[Tensor]]
 
 _C: ModuleType | None = None
+_CPU: ModuleType | None = None
 
 
 def extension() -> ModuleType:
@@ -31,6 +32,17 @@ def extension() -> ModuleType:
     return _C
 
 
+def cpu_extension() -> ModuleType:
+    """The module whose ``cpu`` kernels serve CPU tensors: the ISA build for this CPU.
+
+    See Note: CPU capability dispatch (shardopt/_build.py).
+    """
+    global _CPU
+    if _CPU is None:
+        _CPU = _build.load_cpu_extension(extension())
+    return _CPU
+
+
 def cuda_available() -> bool:
     """True when the loaded extension was compiled with CUDA kernels."""
     return bool(extension().has_cuda)
@@ -39,14 +51,15 @@ def cuda_available() -> bool:
 def chunk_size(device: torch.device | str) -> int:
     """Elements per (tensor, chunk) work item of the backend that serves ``device``."""
     device = torch.device(device)
-    ext = extension()
-    return int(ext.cuda_chunk_size if device.type == "cuda" else ext.cpu_chunk_size)
+    if device.type == "cuda":
+        return int(extension().cuda_chunk_size)
+    return int(cpu_extension().cpu_chunk_size)
 
 
 def _backend(device: torch.device) -> ModuleType:
-    ext = extension()
     if device.type == "cpu":
-        return ext.cpu
+        return cpu_extension().cpu
+    ext = extension()
     if device.type == "cuda":
         if not ext.has_cuda:
             raise RuntimeError(
