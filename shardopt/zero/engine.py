@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
-from shardopt.zero import apex_compat, comm
+from shardopt.zero import apex_compat, comm, sharded_params
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
@@ -159,9 +159,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         )
         self.update_calls = UpdateCalls(sharded)
         self._closed = False
-        owner = weakref.ref(self)
-        for p in self.params:
-            p._shardopt_owner = owner
+        sharded_params.claim(self.params, self)
+        weakref.finalize(self, sharded_params.release, list(self.params), None)
 
     # settings read by scripts and benchmarks
     state_dtype = property(lambda self: self.config.state_dtype)
@@ -184,9 +183,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         """Removes the grad hooks and finishes in-flight param sync (the optimizer is unusable)."""
         self.wait_param_sync()
         self.grad_sync.remove_hooks()
-        for p in self.params:
-            if getattr(p, "_shardopt_owner", lambda: None)() is self:
-                del p._shardopt_owner
+        sharded_params.release(self.params, self)
         self._closed = True
 
     # -- grad sync, norms, param sync --------------------------------------------------------------

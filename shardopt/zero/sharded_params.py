@@ -8,6 +8,7 @@ writes straight into them; frozen params get no buckets and no state.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,33 @@ from shardopt.zero.flat_buffer import KeyBuffers
 from shardopt.zero.layout import KeyLayout, Range, plan_key
 
 ALIGN_BYTES = 128
+
+# param id -> the distributed optimizer that shards it (a param is a view of one optimizer's
+# buffer; a second optimizer would silently break the first). Keyed by id, not stored on the
+# param, so copies of a model (copy.deepcopy) do not inherit it.
+_OWNERS: dict[int, weakref.ref] = {}
+
+
+def owner_of(p: torch.Tensor):
+    """The live distributed optimizer sharding ``p``, or None."""
+    ref = _OWNERS.get(id(p))
+    owner = ref() if ref is not None else None
+    if owner is None or not any(q is p for q in owner.all_params):
+        return None
+    return owner
+
+
+def claim(params: list[torch.Tensor], owner) -> None:
+    ref = weakref.ref(owner)
+    for p in params:
+        _OWNERS[id(p)] = ref
+
+
+def release(params: list[torch.Tensor], owner) -> None:
+    for p in params:
+        ref = _OWNERS.get(id(p))
+        if ref is not None and ref() in (owner, None):
+            del _OWNERS[id(p)]
 
 
 @dataclass
@@ -95,7 +123,7 @@ class ShardedParams:
                     "param once (tied params are one param)"
                 )
             seen[id(p)] = i
-            other = getattr(p, "_shardopt_owner", lambda: None)()
+            other = owner_of(p)
             if other is not None:
                 raise ValueError(
                     f"{owner}: param {i} {tuple(p.shape)} already belongs to another distributed "
