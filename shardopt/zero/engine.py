@@ -131,6 +131,12 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         self.keys: list[Key] = sharded.keys
         for group in self.param_groups:
             group["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
+            # The state lives in shards; ``state`` names each trainable param's group step, so
+            # code that takes an empty ``state`` for "never stepped" (torch.distributed.checkpoint
+            # .state_dict fakes a step with zero ``.grad``s then) sees an initialised optimizer.
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.state[p] = {"step": group["step"]}
         self.grad_sync = GradSync(
             sharded,
             process_group=process_group,
@@ -324,15 +330,18 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
                 out[name] = out.get(name, 0) + n
         return out
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The state for ``torch.distributed.checkpoint`` (collective); see
-        ``shardopt.checkpoint.dcp``. Load with ``dcp.load`` then ``load_sharded_state_dict``."""
+    def sharded_state_dict(self, model: torch.nn.Module | None = None) -> dict[str, Any]:
+        """The state as DTensors for ``torch.distributed.checkpoint``, keyed by ``model``'s FQNs
+        when given (collective); see ``shardopt.checkpoint.dcp``. Load with ``dcp.load`` then
+        ``load_sharded_state_dict``."""
         from shardopt.checkpoint.dcp import sharded_state_dict
 
-        return sharded_state_dict(self)
+        return sharded_state_dict(self, model)
 
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_sharded_state_dict(
+        self, state_dict: dict[str, Any], model: torch.nn.Module | None = None
+    ) -> None:
         """Finishes a ``torch.distributed.checkpoint.load`` into ``sharded_state_dict()``."""
         from shardopt.checkpoint.dcp import load_sharded_state_dict
 
-        load_sharded_state_dict(self, state_dict)
+        load_sharded_state_dict(self, state_dict, model)
