@@ -159,6 +159,10 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         owner = weakref.ref(self)
         for p in self.params:
             p._shardopt_owner = owner
+        # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
+        from shardopt.integrations.clip import install
+
+        install()
 
     # settings read by scripts and benchmarks
     state_dtype = property(lambda self: self.config.state_dtype)
