@@ -3,6 +3,9 @@ PYTHON ?= python3
 NPROC ?= 2
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# optional frameworks for tests/test_integrations_*.py; CI: make test INTEGRATIONS=1
+INTEGRATIONS ?=
+INTEGRATIONS_SPEC ?= transformers>=4.57 accelerate>=1.10 lightning>=2.5
 
 .PHONY: deps setup train test test-gpu dist-check bench lint clean
 
@@ -12,6 +15,7 @@ deps:
 
 setup: deps
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
+	if [ -n "$(INTEGRATIONS)" ]; then $(PYTHON) -m pip install -q $(INTEGRATIONS_SPEC) "$(TORCH_SPEC)"; fi
 
 train: setup
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) launch_scripts/train_gpt.py

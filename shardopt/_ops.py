@@ -172,11 +172,19 @@ def _per_tensor_results(
 
 def adam(lists: TensorLists, **kwargs) -> None:
     """Adam/AdamW over [grad, param, exp_avg, exp_avg_sq(, out)]; see csrc/kernels.h."""
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::adam
+        from shardopt import _custom_ops
+
+        return _custom_ops.adam(lists, **kwargs)
     _call("adam", lists, **kwargs)
 
 
 def sgd(lists: TensorLists, **kwargs) -> None:
     """SGD over [grad, param, momentum_buffer(, out)]; see csrc/kernels.h."""
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::sgd
+        from shardopt import _custom_ops
+
+        return _custom_ops.sgd(lists, **kwargs)
     _call("sgd", lists, **kwargs)
 
 

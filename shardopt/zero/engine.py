@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
-from shardopt.zero import apex_compat, comm, sharded_params
+from shardopt.zero import apex_compat, comm, sharded_params, torch_clip
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
@@ -139,6 +139,12 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self.keys: list[Key] = sharded.keys
         for group in self.param_groups:
             group["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
+            # The state lives in shards; ``state`` names each trainable param's group step, so
+            # code that takes an empty ``state`` for "never stepped" (torch.distributed.checkpoint
+            # .state_dict fakes a step with zero ``.grad``s then) sees an initialised optimizer.
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.state[p] = {"step": group["step"]}
         self.grad_sync = GradSync(
             sharded,
             process_group=process_group,
@@ -161,6 +167,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self._closed = False
         sharded_params.claim(self.params, self)
         weakref.finalize(self, sharded_params.release, list(self.params), None)
+        # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
+        torch_clip.install()
 
     # settings read by scripts and benchmarks
     state_dtype = property(lambda self: self.config.state_dtype)
@@ -330,15 +338,18 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 out[name] = out.get(name, 0) + n
         return out
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The state for ``torch.distributed.checkpoint`` (collective); see
-        ``shardopt.checkpoint.dcp``. Load with ``dcp.load`` then ``load_sharded_state_dict``."""
+    def sharded_state_dict(self, model: torch.nn.Module | None = None) -> dict[str, Any]:
+        """The state as DTensors for ``torch.distributed.checkpoint``, keyed by ``model``'s FQNs
+        when given (collective); see ``shardopt.checkpoint.dcp``. Load with ``dcp.load`` then
+        ``load_sharded_state_dict``."""
         from shardopt.checkpoint.dcp import sharded_state_dict
 
-        return sharded_state_dict(self)
+        return sharded_state_dict(self, model)
 
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_sharded_state_dict(
+        self, state_dict: dict[str, Any], model: torch.nn.Module | None = None
+    ) -> None:
         """Finishes a ``torch.distributed.checkpoint.load`` into ``sharded_state_dict()``."""
         from shardopt.checkpoint.dcp import load_sharded_state_dict
 
-        load_sharded_state_dict(self, state_dict)
+        load_sharded_state_dict(self, state_dict, model)
