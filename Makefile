@@ -4,7 +4,7 @@ NPROC ?= 2
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: deps setup train test test-gpu dist-check bench lint clean
+.PHONY: deps setup train test test-multinode test-gpu dist-check bench lint clean
 
 deps:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -22,6 +22,10 @@ test: setup
 # sdist -> wheel from the sdist alone -> clean venv -> smoke test outside the tree (.ci/dist-check)
 dist-check: deps
 	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" bash .ci/dist-check
+
+# Two torchrun "nodes" on localhost (c10d), HSDP, a resume at another layout, a restart (docs/multinode.md).
+test-multinode: setup
+	$(PYTHON) -m pytest tests/test_multinode.py -q --durations=5 $(PYTEST_ARGS)
 
 test-gpu:
 	$(PYTHON) -m pytest tests -q -m "cuda" $(PYTEST_ARGS)
