@@ -4,7 +4,7 @@ NPROC ?= 2
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: deps setup train test test-multinode test-gpu dist-check bench lint clean
+.PHONY: deps setup train test test-multinode test-gpu dist-check bench scaling lint clean
 
 deps:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -32,6 +32,10 @@ test-gpu:
 
 bench:
 	$(PYTHON) launch_scripts/bench_kernels.py
+
+# The step-time model: checks against docs/benchmarks.md, docs/scaling.md's tables and plot.
+scaling:
+	$(PYTHON) launch_scripts/scaling_model.py --write-docs
 
 lint:
 	$(PYTHON) -m ruff check shardopt tests launch_scripts
