@@ -212,6 +212,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--hsdp shards the ZeRO optimizer; it does not apply to --baseline ddp")
     if args.shard_size is not None and not args.hsdp:
         parser.error("--shard-size needs --hsdp")
+    if args.hsdp and args.shard_size is None and "LOCAL_WORLD_SIZE" not in os.environ:
+        parser.error("--hsdp takes the shard size from torchrun's LOCAL_WORLD_SIZE: run under "
+                     "torchrun or pass --shard-size")  # fmt: skip
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
     spec = OPTIMIZERS[args.optimizer]
