@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 INTEGRATIONS ?=
 INTEGRATIONS_SPEC ?= transformers>=4.57 accelerate>=1.10 lightning>=2.5
 
-.PHONY: deps setup train test test-gpu dist-check bench lint clean
+.PHONY: deps setup train test test-multinode test-gpu dist-check bench scaling lint clean
 
 deps:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -27,11 +27,19 @@ test: setup
 dist-check: deps
 	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" bash .ci/dist-check
 
+# Two torchrun "nodes" on localhost (c10d), HSDP, a resume at another layout, a restart (docs/multinode.md).
+test-multinode: setup
+	$(PYTHON) -m pytest tests/test_multinode.py -q --durations=5 $(PYTEST_ARGS)
+
 test-gpu:
 	$(PYTHON) -m pytest tests -q -m "cuda" $(PYTEST_ARGS)
 
 bench:
 	$(PYTHON) launch_scripts/bench_kernels.py
+
+# The step-time model: checks against docs/benchmarks.md, docs/scaling.md's tables and plot.
+scaling:
+	$(PYTHON) launch_scripts/scaling_model.py --write-docs
 
 lint:
 	$(PYTHON) -m ruff check shardopt tests launch_scripts
