@@ -3,9 +3,9 @@ PYTHON ?= python3
 NPROC ?= 2
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# optional frameworks for tests/test_integrations_*.py; CI: make test INTEGRATIONS=1
-INTEGRATIONS ?=
-INTEGRATIONS_SPEC ?= transformers>=4.57 accelerate>=1.10 lightning>=2.5
+# optional frameworks for tests/test_integrations_*.py (installed by default; INTEGRATIONS= skips them)
+INTEGRATIONS ?= 1
+INTEGRATIONS_SPEC ?= transformers>=4.57 accelerate>=1.10
 
 .PHONY: deps setup train test test-multinode test-gpu dist-check bench scaling lint clean
 
