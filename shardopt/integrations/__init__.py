@@ -7,6 +7,8 @@
   params a ``DistributedFused*`` optimizer holds, ``accelerator.no_sync``/``accumulate`` and
   ``clip_grad_norm_`` routed to the optimizer.
 - ``shardopt.integrations.transformers``: ``Trainer``, the HF Trainer with that accelerator.
+- ``shardopt.integrations.lightning``: ``ShardoptStrategy``, Lightning's DDP strategy without the
+  DDP wrapper (accumulation through ``no_sync``, clipping through ``clip_grad_norm``).
 
 See docs/integrations.md.
 """
