@@ -164,7 +164,6 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             sharded, process_group=process_group, overlap=overlap_param_sync
         )
         self.update_calls = UpdateCalls(sharded)
-        self._closed = False
         sharded_params.claim(self.params, self)
         weakref.finalize(self, sharded_params.release, list(self.params), None)
         # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
@@ -192,7 +191,6 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self.wait_param_sync()
         self.grad_sync.remove_hooks()
         sharded_params.release(self.params, self)
-        self._closed = True
 
     # -- grad sync, norms, param sync --------------------------------------------------------------
 
@@ -254,7 +252,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             grad_scaler: passed by ``torch.amp.GradScaler.step``; the overflow decision is the
                 same on every rank and the step is skipped everywhere on inf/nan.
         """
-        if self._closed:
+        if self.grad_sync.closed:
             raise RuntimeError(
                 f"{type(self).__name__}: step() after close(): the optimizer no longer syncs "
                 "grads; build a new one"

@@ -81,7 +81,13 @@ class GradSync:
         self._finalizer = weakref.finalize(self, _remove_all, self._handles)
 
     def remove_hooks(self) -> None:
+        """Removes the hooks for good (``close()``); kept here, not on the optimizer, so a
+        wrapper sharing the optimizer's attributes (Lightning's) sees it too."""
         self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     def reset(self) -> None:
         """Starts a new iteration; transient grad buffers go back to the allocator (anything that
