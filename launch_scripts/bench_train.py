@@ -13,6 +13,8 @@ bucket size, 4x and 16x that (one bucket alone, and the full gradient split into
         --layers 2 --d-model 64 --vocab 128 --seq 32 --batch 2 --steps 3 --warmup 1
 
 Modes (params fp32, compute under bf16 autocast, weight decay 0.1 everywhere):
+  compute_floor          the same forward and backward on each GPU alone: no communication, no
+                         optimizer (the floor every mode's "over floor ms" is measured from)
   ddp_adamw              DDP + torch.optim.AdamW(fused=True)
   ddp_zero               DDP + ZeroRedundancyOptimizer(AdamW, fused=True)
   fsdp2                  fully_shard(each block, then the root; reshard_after_forward=False)
@@ -240,7 +242,23 @@ def setup_shardopt_lamb(model, device, args) -> Setup:
     return _shardopt("DistributedFusedLAMB", model, args)
 
 
+class _NoStep(torch.optim.Optimizer):
+    """compute_floor's optimizer: drops the grads, updates nothing."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure=None):  # noqa: D102
+        return None
+
+
+def setup_compute_floor(model, device, args) -> Setup:
+    """The same forward and backward on each GPU alone: no communication, no optimizer."""
+    return Setup(model, _NoStep(model.parameters()), {"floor": True})
+
+
 MODES: dict[str, Callable[[nn.Module, torch.device, argparse.Namespace], Setup]] = {
+    "compute_floor": setup_compute_floor,
     "ddp_adamw": setup_ddp_adamw,
     "ddp_zero": setup_ddp_zero,
     "fsdp2": setup_fsdp2,
@@ -484,9 +502,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def mode_table(modes: dict[str, dict[str, Any]]) -> str:
     ddp = modes.get("ddp_adamw", {})
     fsdp = modes.get("fsdp2", {})
+    floor = modes.get("compute_floor", {}).get("step_ms")
     headers = [
         "mode",
         "step ms",
+        "over floor ms",
+        "over/ddp's",
         "opt ms",
         "peak GiB",
         "tokens/s",
@@ -500,10 +521,14 @@ def mode_table(modes: dict[str, dict[str, Any]]) -> str:
     for name, r in modes.items():
         if "error" in r:
             continue
+        over = r["step_ms"] - floor if floor is not None else None
+        ddp_over = ddp["step_ms"] - floor if floor is not None and "step_ms" in ddp else None
         rows.append(
             [
                 name,
                 r["step_ms"],
+                over,
+                ratio(over, ddp_over),
                 r["opt_ms"],
                 r.get("peak_gib"),
                 r["tokens_per_s"],
