@@ -9,8 +9,8 @@ Each rank reports every case as soon as it ends and the parent reads the reports
 (a report is never stuck in a full pipe), so a hang names the case the ranks were in.
 ``pg_timeout`` sets the process group's timeout: a collective that a crashed or diverged rank
 never joins then fails after that many seconds instead of gloo's 30 minutes.
-``report_hangs=True`` returns the hung case (and the cases after it) as failures instead of
-raising, so the cases before it still report.
+``report_hangs=True`` fails the case that hung or broke the process group instead of raising,
+and runs the cases after it in a fresh launch, so every other case still reports.
 """
 
 from __future__ import annotations
@@ -58,22 +58,16 @@ def _worker(
     dist.destroy_process_group()
 
 
-def run_cases(
-    cases: list[Case],
-    world_size: int,
-    timeout: float = 300.0,
-    *,
-    pg_timeout: float | None = None,
-    report_hangs: bool = False,
-) -> dict[str, str | None]:
-    """Runs ``cases`` on ``world_size`` gloo ranks; returns {case name: None or a traceback}."""
+def _launch(cases: list[Case], world_size: int, timeout: float, pg_timeout: float | None):
+    """One spawn of ``world_size`` ranks running ``cases``. Returns (results, started, done,
+    None) when every rank finished, else (..., message) describing the hang or death."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     names = [c.__name__ for c in cases]
-    assert len(set(names)) == len(names), "case names must be unique"
     results: dict[str, str | None] = dict.fromkeys(names)
     current: dict[int, str | None] = dict.fromkeys(range(world_size))
     finished: set[int] = set()
+    started = dict.fromkeys(names, 0)  # ranks that started each case
     done = dict.fromkeys(names, 0)  # ranks that finished each case
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
@@ -99,6 +93,7 @@ def run_cases(
             what, rank, name, err = queue.get()
             if what == "start":
                 current[rank] = name
+                started[name] += 1
             elif what == "done":
                 current[rank] = None
                 done[name] += 1
@@ -113,16 +108,56 @@ def run_cases(
             p.kill()
             p.join()
         if len(finished) == world_size:
-            return results
+            return results, started, done, None
         codes = [p.exitcode for p in procs]
         stuck = {r: n for r, n in current.items() if n is not None and r not in finished}
         where = ", ".join(f"rank {r} in {n}" for r, n in sorted(stuck.items())) or "between cases"
-        what = f"hung for {timeout}s" if hung else f"died (exit codes {codes})"
+        what = f"hung for {timeout:.0f}s" if hung else f"died (exit codes {codes})"
         message = f"distributed cases {what} on {world_size} ranks: {where}"
+        return results, started, done, (TimeoutError if hung else RuntimeError)(message)
+
+
+def run_cases(
+    cases: list[Case],
+    world_size: int,
+    timeout: float = 300.0,
+    *,
+    pg_timeout: float | None = None,
+    report_hangs: bool = False,
+) -> dict[str, str | None]:
+    """Runs ``cases`` on ``world_size`` gloo ranks; returns {case name: None or a traceback}.
+
+    A hang or a dead rank raises (TimeoutError / RuntimeError naming the case the ranks were in),
+    unless ``report_hangs``: then the case that hung or broke the process group (the one the
+    ranks were in, else the last one they finished) fails with that message and the cases not
+    yet started run in a fresh launch (``timeout`` bounds all launches together).
+    """
+    names = [c.__name__ for c in cases]
+    assert len(set(names)) == len(names), "case names must be unique"
+    results: dict[str, str | None] = {}
+    remaining = list(cases)
+    deadline = time.monotonic() + timeout
+    while remaining:
+        got, started, done, failure = _launch(
+            remaining, world_size, max(1.0, deadline - time.monotonic()), pg_timeout
+        )
+        results.update(got)
+        if failure is None:
+            break
         if not report_hangs:
-            raise (TimeoutError if hung else RuntimeError)(message)
-        unfinished = [n for n in names if done[n] < world_size]
-        for name in unfinished:
-            note = message if name == unfinished[0] else f"not run after {unfinished[0]}: {message}"
+            raise failure
+        message = str(failure)
+        culprits = [n for n in got if 0 < started[n] and done[n] < world_size]
+        if not culprits:  # died between cases: blame the last case that ran
+            ran = [n for n in got if started[n]]
+            culprits = ran[-1:]
+        for name in culprits:
+            note = f"{message} (the process group broke in or after this case)"
             results[name] = note if results[name] is None else f"{results[name]}\n{note}"
-        return results
+        later = [c for c in remaining if started[c.__name__] == 0]
+        if len(later) == len(remaining) or time.monotonic() >= deadline:
+            for c in later:
+                results[c.__name__] = f"not run: {message}"
+            break
+        remaining = later
+    return {n: results[n] for n in names}

@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
@@ -1443,8 +1444,8 @@ CHECKPOINT = [
     item9_load_apply_phase_error_one_rank,
     item9_metadata_schema,
 ]
-# Cases that may leave ranks in different collectives (a bug makes them hang until PG_TIMEOUT):
-# each gets a launch of its own so it cannot take other cases down with it.
+# Cases that may leave ranks in different collectives (a bug makes them hang until the process
+# group's timeout, after which the group is unusable): each gets a launch of its own.
 ISOLATED = [
     item2_collective_between_backward_and_step,
     item4_rebind_other_shape_one_rank,
@@ -1453,57 +1454,78 @@ ISOLATED = [
     item12_param_in_two_optimizers,
 ]
 
+# CI: HSDP save first (world 4), then everything else at world 2, then the isolated cases.
 PLAN = [
-    (2, MAIN + CHECKPOINT),
-    (3, MAIN),
     (4, [item7_hsdp_save, item7_hsdp_load_hsdp_other_buckets, item7_hsdp_load_plain]),
-    (2, [item7_hsdp_load_plain]),
+    (2, MAIN + CHECKPOINT + [item7_hsdp_load_plain]),
+]
+ISOLATED_PLAN = [(2, case) for case in ISOLATED]
+# Long mode: world 3 (uneven shards, two ranks that did not fail) and the HSDP load at world 1.
+SLOW_PLAN = [
+    (3, MAIN + CHECKPOINT),
+    (4, [item7_hsdp_save]),
     (1, [item7_hsdp_load_plain]),
-] + [(2, [case]) for case in ISOLATED]
-# world 3 also runs the checkpoint failures (uneven shards): in the long mode only
-SLOW_PLAN = [(3, CHECKPOINT)]
+]
+SLOW_ISOLATED_PLAN = [(3, case) for case in ISOLATED]
+ISOLATED_PG_TIMEOUT = 10.0
 
 
-def _run(plan) -> dict:
+def _run(plan, isolated) -> dict:
+    """Runs ``plan`` in order, then every isolated case in a launch of its own, concurrently (a
+    hang costs ISOLATED_PG_TIMEOUT once, not once per case)."""
     out = {}
     for world, cases in plan:
         got = run_cases(cases, world, timeout=300.0, pg_timeout=PG_TIMEOUT, report_hangs=True)
         for name, err in got.items():
             out[(world, name)] = err
+
+    def one(world, case):
+        got = run_cases(
+            [case], world, timeout=120.0, pg_timeout=ISOLATED_PG_TIMEOUT, report_hangs=True
+        )
+        return (world, case.__name__), got[case.__name__]
+
+    with ThreadPoolExecutor(max_workers=max(1, len(isolated))) as pool:
+        for key, err in pool.map(lambda wc: one(*wc), isolated):
+            out[key] = err
     return out
 
 
-def _results(plan):
+def _results(plan, isolated):
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[ROOT] = tmp
         try:
-            yield _run(plan)
+            yield _run(plan, isolated)
         finally:
             os.environ.pop(ROOT, None)
 
 
 @pytest.fixture(scope="module")
 def results():
-    yield from _results(PLAN)
+    yield from _results(PLAN, ISOLATED_PLAN)
 
 
 @pytest.fixture(scope="module")
 def slow_results():
-    yield from _results(SLOW_PLAN)
+    yield from _results(SLOW_PLAN, SLOW_ISOLATED_PLAN)
 
 
 def _id(v):
     return f"world{v}" if isinstance(v, int) else v.__name__
 
 
-@pytest.mark.parametrize("world,case", [(w, c) for w, cases in PLAN for c in cases], ids=_id)
+def _params(plan, isolated):
+    return [(w, c) for w, cases in plan for c in cases] + list(isolated)
+
+
+@pytest.mark.parametrize("world,case", _params(PLAN, ISOLATED_PLAN), ids=_id)
 def test_contract(results, world, case):
     err = results[(world, case.__name__)]
     assert err is None, err
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,case", [(w, c) for w, cases in SLOW_PLAN for c in cases], ids=_id)
+@pytest.mark.parametrize("world,case", _params(SLOW_PLAN, SLOW_ISOLATED_PLAN), ids=_id)
 def test_contract_slow(slow_results, world, case):
     err = slow_results[(world, case.__name__)]
     assert err is None, err
