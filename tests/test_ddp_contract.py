@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
@@ -50,7 +49,7 @@ TOL = dict(rtol=1.3e-6, atol=1e-5)
 BF16_TOL = dict(rtol=5e-2, atol=1e-5)
 TINY_MB = 40 * 4 / 2**20  # 40 fp32 elements: params straddle buckets and shards
 ROOT = "SHARDOPT_TEST_CONTRACT_ROOT"
-PG_TIMEOUT = 15.0  # seconds; a collective a diverged rank never joins fails after this
+PG_TIMEOUT = 10.0  # seconds: a collective that a diverged rank never joins fails after this
 CLASSES = ("Adam", "LAMB", "NovoGrad", "SGD", "Adagrad")
 
 
@@ -428,22 +427,22 @@ def item1_fp32_params_write(rank, world):
 def item1_write_while_param_sync_in_flight(rank, world):
     """Items 1 and 5: with overlap_param_sync=True a write right after step() (all-gathers still
     in flight, e.g. model.load_state_dict of a pretrained model) must not be overwritten when the
-    gathers are waited for. Deterministic for fp32 params gathered in bf16 (the gathered values
-    are copied into the params at the wait); bf16 params are gathered in place."""
+    gathers are waited for. fp32 params gathered in bf16, where the gathered values are copied
+    into the params at the wait, so the outcome does not depend on timing (params gathered in
+    place race with the write instead: not tested, it would be flaky)."""
     failures = Failures()
     for name in ("Adam", "SGD"):
         for write in (_write_mul, _write_load_state_dict):
-            for dtype, sync in ((torch.float32, torch.bfloat16), (torch.bfloat16, None)):
-                failures.run(
-                    _write_then_train,
-                    name,
-                    rank,
-                    world,
-                    dtype=dtype,
-                    write=write,
-                    param_sync_dtype=sync,
-                    overlap=True,
-                )
+            failures.run(
+                _write_then_train,
+                name,
+                rank,
+                world,
+                dtype=torch.float32,
+                write=write,
+                param_sync_dtype=torch.bfloat16,
+                overlap=True,
+            )
     failures.check()
 
 
@@ -1375,11 +1374,13 @@ def item12_param_in_two_optimizers(rank, world):
     the second, or at the latest at the first backward/step) saying a param belongs to another
     distributed optimizer."""
     model = _net()
-    shardopt.DistributedFusedAdam(model.parameters(), lr=0.05)
-    with pytest.raises((RuntimeError, ValueError), match=TWO_OPTIMIZERS):
+    opt1 = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05)
+    with pytest.raises(Exception, match=TWO_OPTIMIZERS) as info:
         opt2 = shardopt.DistributedFusedAdam(model.parameters(), lr=0.05)
         _loss(model, 0, rank).backward()
         opt2.step()
+        opt1.step()
+    assert isinstance(info.value, (RuntimeError, ValueError)), repr(info.value)
 
 
 def item12_duplicate_params(rank, world):
@@ -1445,7 +1446,7 @@ CHECKPOINT = [
     item9_metadata_schema,
 ]
 # Cases that may leave ranks in different collectives (a bug makes them hang until the process
-# group's timeout, after which the group is unusable): each gets a launch of its own.
+# group's timeout, after which the group is unusable): they run last.
 ISOLATED = [
     item2_collective_between_backward_and_step,
     item4_rebind_other_shape_one_rank,
@@ -1454,78 +1455,64 @@ ISOLATED = [
     item12_param_in_two_optimizers,
 ]
 
-# CI: HSDP save first (world 4), then everything else at world 2, then the isolated cases.
+# CI: the HSDP save first (world 4), then everything else at world 2 in one launch, the cases
+# that may break the process group last (run_cases relaunches for the cases after one that does).
 PLAN = [
     (4, [item7_hsdp_save, item7_hsdp_load_hsdp_other_buckets, item7_hsdp_load_plain]),
-    (2, MAIN + CHECKPOINT + [item7_hsdp_load_plain]),
+    (2, MAIN + CHECKPOINT + [item7_hsdp_load_plain] + ISOLATED),
 ]
-ISOLATED_PLAN = [(2, case) for case in ISOLATED]
 # Long mode: world 3 (uneven shards, two ranks that did not fail) and the HSDP load at world 1.
 SLOW_PLAN = [
-    (3, MAIN + CHECKPOINT),
+    (3, MAIN + CHECKPOINT + ISOLATED),
     (4, [item7_hsdp_save]),
     (1, [item7_hsdp_load_plain]),
 ]
-SLOW_ISOLATED_PLAN = [(3, case) for case in ISOLATED]
-ISOLATED_PG_TIMEOUT = 10.0
 
 
-def _run(plan, isolated) -> dict:
-    """Runs ``plan`` in order, then every isolated case in a launch of its own, concurrently (a
-    hang costs ISOLATED_PG_TIMEOUT once, not once per case)."""
+def _run(plan) -> dict:
     out = {}
     for world, cases in plan:
-        got = run_cases(cases, world, timeout=300.0, pg_timeout=PG_TIMEOUT, report_hangs=True)
+        got = run_cases(cases, world, timeout=400.0, pg_timeout=PG_TIMEOUT, report_hangs=True)
         for name, err in got.items():
             out[(world, name)] = err
-
-    def one(world, case):
-        got = run_cases(
-            [case], world, timeout=120.0, pg_timeout=ISOLATED_PG_TIMEOUT, report_hangs=True
-        )
-        return (world, case.__name__), got[case.__name__]
-
-    with ThreadPoolExecutor(max_workers=max(1, len(isolated))) as pool:
-        for key, err in pool.map(lambda wc: one(*wc), isolated):
-            out[key] = err
     return out
 
 
-def _results(plan, isolated):
+def _results(plan):
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[ROOT] = tmp
         try:
-            yield _run(plan, isolated)
+            yield _run(plan)
         finally:
             os.environ.pop(ROOT, None)
 
 
 @pytest.fixture(scope="module")
 def results():
-    yield from _results(PLAN, ISOLATED_PLAN)
+    yield from _results(PLAN)
 
 
 @pytest.fixture(scope="module")
 def slow_results():
-    yield from _results(SLOW_PLAN, SLOW_ISOLATED_PLAN)
+    yield from _results(SLOW_PLAN)
 
 
 def _id(v):
     return f"world{v}" if isinstance(v, int) else v.__name__
 
 
-def _params(plan, isolated):
-    return [(w, c) for w, cases in plan for c in cases] + list(isolated)
+def _params(plan):
+    return [(w, c) for w, cases in plan for c in cases]
 
 
-@pytest.mark.parametrize("world,case", _params(PLAN, ISOLATED_PLAN), ids=_id)
+@pytest.mark.parametrize("world,case", _params(PLAN), ids=_id)
 def test_contract(results, world, case):
     err = results[(world, case.__name__)]
     assert err is None, err
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,case", _params(SLOW_PLAN, SLOW_ISOLATED_PLAN), ids=_id)
+@pytest.mark.parametrize("world,case", _params(SLOW_PLAN), ids=_id)
 def test_contract_slow(slow_results, world, case):
     err = slow_results[(world, case.__name__)]
     assert err is None, err

@@ -218,6 +218,11 @@ def _batch(seed, step, micro, rank):
     return torch.randint(0, 11, (3, 5), generator=gen), torch.randint(0, 11, (3, 5), generator=gen)
 
 
+def _never(name: str, cfg: Config) -> bool:
+    """Params no forward gives a grad: the unused layer, the frozen bias."""
+    return name.startswith("unused.") or (cfg.frozen and name == "block.bias")
+
+
 def _loss(model, cfg, step, micro, rank):
     idx, tgt = _batch(cfg.seed, step, micro, rank)
     logits = model(idx, side=rank in cfg.users[step])
@@ -315,6 +320,8 @@ def run_fp32(cfg: Config, rank: int, world: int) -> None:
     use_single = not (cfg.name in ("Adam", "AdamL2") and cfg.global_skip)
     scaler = _scaler() if cfg.scaler else None
     scales = []
+    # params that never get a grad (frozen, unused) must stay exactly as they are
+    untouched = [(n, p, p.detach().clone()) for n, p in model.named_parameters() if _never(n, cfg)]
     for step in range(cfg.steps):
         before = [p.detach().clone() for p in model.parameters()]
         # DDP first: its allreduces finish inside its backward on every rank
@@ -366,6 +373,8 @@ def run_fp32(cfg: Config, rank: int, world: int) -> None:
         if poisoned:
             for i, (p, b) in enumerate(zip(model.parameters(), before)):
                 assert torch.equal(p.detach(), b), f"{what}: param {i} changed in a skipped step"
+        for n, p, start in untouched:
+            assert torch.equal(p.detach(), start), f"{what}: {n} has no grad but changed"
         if torch_opt is not None:
             _compare(model, ref, TOL, f"{what} vs DDP + {type(torch_opt).__name__}")
         if use_single:
@@ -471,6 +480,12 @@ def run_bf16(cfg: Config, rank: int, world: int) -> None:
         if poisoned:
             for i, (p, b) in enumerate(zip(params, before)):
                 assert torch.equal(p.detach(), b), f"{what}: param {i} changed in a skipped step"
+        for i in [FROZEN] * cfg.frozen + [UNUSED] * cfg.unused:
+            # exact: the bf16 tolerance would hide a small wrong update (e.g. weight decay)
+            assert torch.equal(params[i].detach(), init[i].bfloat16()), (
+                f"{what}: param {i} ({'frozen' if i == FROZEN else 'unused'}) has no grad but "
+                "changed"
+            )
         for i, (p, q) in enumerate(zip(params, refs)):
             torch.testing.assert_close(
                 p.float(), q.float(), **BF16_TOL, msg=lambda m, i=i, w=what: f"{w}: param {i}: {m}"
@@ -518,7 +533,7 @@ def _run(seeds: list[int]) -> dict[int, str | None]:
         cases = [globals()[f"seed_{s}"] for s in seeds if 1 + s % 4 == world]
         if not cases:
             continue
-        got = run_cases(cases, world, timeout=600.0, pg_timeout=60.0, report_hangs=True)
+        got = run_cases(cases, world, timeout=900.0, pg_timeout=15.0, report_hangs=True)
         for s in seeds:
             if 1 + s % 4 == world:
                 out[s] = got[f"seed_{s}"]
