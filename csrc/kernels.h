@@ -1,4 +1,5 @@
-// The kernel entry points of shardopt._C, one declaration per (kernel, backend).
+// The kernel entry points of shardopt._C, one declaration per (kernel, backend), from the list in
+// kernels.def.
 //
 // Every kernel takes `lists`: a vector of tensor lists ("slots"); slot k holds the k-th operand of
 // every tensor being updated (see the kSlot constants in each optimizer's math header). All tensors
@@ -32,42 +33,17 @@ namespace shardopt {
 using TensorList = std::vector<at::Tensor>;
 using TensorLists = std::vector<TensorList>;
 using OptTensor = std::optional<at::Tensor>;
+using TensorPair = std::tuple<at::Tensor, at::Tensor>;
 
-#define SHARDOPT_DECLARE_KERNELS(BACKEND)                                                         \
-  void adam_##BACKEND(const TensorLists& lists, double lr, double beta1, double beta2, double eps, \
-                      int64_t step, bool adam_w_mode, bool bias_correction, double weight_decay,  \
-                      const OptTensor& lr_t, const OptTensor& step_t,                             \
-                      const OptTensor& grad_scale_t, const OptTensor& found_inf_t);               \
-  void sgd_##BACKEND(const TensorLists& lists, double lr, double momentum, double dampening,      \
-                     double weight_decay, bool nesterov, bool first_run, bool wd_after_momentum,  \
-                     double scale, const OptTensor& lr_t, const OptTensor& grad_scale_t,          \
-                     const OptTensor& found_inf_t, const OptTensor& first_run_t);                 \
-  void adagrad_##BACKEND(const TensorLists& lists, double lr, double eps, double weight_decay,     \
-                         bool adagrad_w_mode, const OptTensor& lr_t,                              \
-                         const OptTensor& grad_scale_t, const OptTensor& found_inf_t);            \
-  std::tuple<at::Tensor, at::Tensor> lamb_stage1_##BACKEND(                                       \
-      const TensorLists& lists, double beta1, double beta2, double eps, int64_t step,             \
-      bool bias_correction, double weight_decay, bool grad_averaging, bool adam_w_mode,           \
-      const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t);      \
-  void lamb_stage2_##BACKEND(const TensorLists& lists, const at::Tensor& w_norm,                  \
-                             const at::Tensor& u_norm, double lr, double beta1, double beta2,     \
-                             double eps, int64_t step, bool bias_correction, double weight_decay, \
-                             bool adam_w_mode, bool use_nvlamb, const OptTensor& lr_t,            \
-                             const OptTensor& step_t, const OptTensor& found_inf_t);              \
-  void novograd_##BACKEND(const TensorLists& lists, const at::Tensor& v_norm, double lr,          \
-                          double beta1, double beta2, double eps, int64_t step,                   \
-                          bool bias_correction, double weight_decay, bool grad_averaging,         \
-                          int64_t moment_mode, const OptTensor& lr_t, const OptTensor& step_t,    \
-                          const OptTensor& grad_scale_t, const OptTensor& found_inf_t);           \
-  std::tuple<at::Tensor, at::Tensor> norm_##BACKEND(const TensorList& tensors, bool max_norm);   \
-  void scale_##BACKEND(const TensorLists& lists, double scale, const OptTensor& scale_t,          \
-                       const at::Tensor& found_inf);
+// <name>_cpu and, with CUDA, <name>_cuda for every kernel of kernels.def.
+#define SHARDOPT_KERNEL(name, ret, params, ...) ret name##_cpu params;
+#include "kernels.def"
+#undef SHARDOPT_KERNEL
 
-SHARDOPT_DECLARE_KERNELS(cpu)
 #ifdef SHARDOPT_WITH_CUDA
-SHARDOPT_DECLARE_KERNELS(cuda)
+#define SHARDOPT_KERNEL(name, ret, params, ...) ret name##_cuda params;
+#include "kernels.def"
+#undef SHARDOPT_KERNEL
 #endif
-
-#undef SHARDOPT_DECLARE_KERNELS
 
 }  // namespace shardopt

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build the CUDA extension, then run the named stages, logging to
-# $OUT. Stages: tests (pytest -m cuda), parity (NCCL parity suite, 2 GPUs), kernels
+# $OUT. Stages: tests (pytest -m cuda), parity (NCCL parity and contract suites, 2 GPUs), kernels
 # (bench_kernels.py), train (bench_train.py, 2 GPUs), ckpt (bench_checkpoint.py, 2 GPUs),
 # example (train_gpt.py, 2 GPUs), scaling (bench_train.py at 2, 4, ... up to all GPUs, weak
 # scaling, then the scaling table and plot; for nvidia-h200-x4 / -x8). Multi-GPU stages use
@@ -31,7 +31,9 @@ for s in "$@"; do
     tests) timeout 300 python3 -m pytest tests -q -m cuda -p no:cacheprovider \
              > "$OUT/cuda_tests.log" 2>&1; grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.log" | head -20; tail -2 "$OUT/cuda_tests.log" ;;
     parity) timeout 240 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_parity.py \
-             > "$OUT/nccl_parity.log" 2>&1; grep -E "PASS|FAIL|passed" "$OUT/nccl_parity.log" | tail -15 ;;
+             > "$OUT/nccl_parity.log" 2>&1; grep -E "PASS|FAIL|passed" "$OUT/nccl_parity.log" | tail -15
+            timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_contract.py \
+             > "$OUT/nccl_contract.log" 2>&1; grep -E "PASS|FAIL" "$OUT/nccl_contract.log" | tail -8 ;;
     kernels) timeout 280 python3 launch_scripts/bench_kernels.py --out "$OUT/bench_kernels.json" \
              > "$OUT/bench_kernels.log" 2>&1; tail -45 "$OUT/bench_kernels.log" ;;
     train) timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \

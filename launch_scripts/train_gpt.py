@@ -129,6 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr-schedule", choices=["constant", "cosine"], default="cosine", help="after warmup"
     )
     g.add_argument("--warmup", type=nonnegative_int, default=20, help="linear warmup steps")
+    g.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="HSDP: shard the optimizer within groups of --shard-size consecutive ranks (a node), "
+        "replicate it across them (shardopt.zero.hsdp_groups)",
+    )
+    g.add_argument(
+        "--shard-size",
+        type=positive_int,
+        default=None,
+        help="ranks per shard group with --hsdp (default: LOCAL_WORLD_SIZE, processes per node)",
+    )
 
     g = p.add_argument_group("model and data")
     g.add_argument("--model", choices=list(PRESETS), default="tiny", help="model preset")
@@ -170,6 +182,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--out-dir", default="runs/train_gpt", help="log.json, loss.png, final_model.pt")
     g.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    g.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="intra-op threads per rank on CPU (default: the cores / LOCAL_WORLD_SIZE)",
+    )
+    g.add_argument(
+        "--fail-at-step",
+        type=nonnegative_int,
+        default=None,
+        metavar="STEP",
+        help="testing restarts: the last rank exits with an error before step STEP (0-based) "
+        "while TORCHELASTIC_RESTART_COUNT is 0 or unset",
+    )
     return p
 
 
@@ -182,6 +208,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--resume without a path needs --ckpt-dir")
     if args.resume not in (None, "latest") and not is_checkpoint(args.resume):
         parser.error(f"--resume {args.resume}: not a complete checkpoint folder")
+    if args.hsdp and args.baseline == "ddp":
+        parser.error("--hsdp shards the ZeRO optimizer; it does not apply to --baseline ddp")
+    if args.shard_size is not None and not args.hsdp:
+        parser.error("--shard-size needs --hsdp")
+    if args.hsdp and args.shard_size is None and "LOCAL_WORLD_SIZE" not in os.environ:
+        parser.error("--hsdp takes the shard size from torchrun's LOCAL_WORLD_SIZE: run under "
+                     "torchrun or pass --shard-size")  # fmt: skip
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
     spec = OPTIMIZERS[args.optimizer]
@@ -209,6 +242,7 @@ class Env:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int
     device: torch.device
 
     @property
@@ -216,10 +250,11 @@ class Env:
         return self.rank == 0
 
 
-def init_distributed(device_choice: str) -> Env:
+def init_distributed(device_choice: str, threads: int | None = None) -> Env:
     """Initialises the process group: NCCL + cuda:LOCAL_RANK on GPUs, gloo on CPU.
 
-    Without torchrun (plain ``python``) it is a group of one on an in-memory store.
+    Without torchrun (plain ``python``) it is a group of one on an in-memory store. On CPU each
+    rank uses ``threads`` intra-op threads (None: its share of the cores of this node).
     """
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -235,20 +270,24 @@ def init_distributed(device_choice: str) -> Env:
     else:
         device = torch.device("cpu")
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, (cpus or 1) // local_world_size))
+        torch.set_num_threads(threads or max(1, (cpus or 1) // local_world_size))
         backend = "gloo"
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, device_id=device if use_cuda else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return Env(rank, world_size, local_rank, device)
+    return Env(rank, world_size, local_rank, local_world_size, device)
 
 
 # -- optimizer, schedule --------------------------------------------------------------------------
 
 
 def build_optimizer(args: argparse.Namespace, model: GPT) -> torch.optim.Optimizer:
-    """The ZeRO optimizer, or with ``--baseline ddp`` the single-process one."""
+    """The ZeRO optimizer, or with ``--baseline ddp`` the single-process one.
+
+    With ``--hsdp`` the ZeRO optimizer shards within groups of ``--shard-size`` consecutive ranks
+    (default: the processes of one node) and replicates across them.
+    """
     spec = OPTIMIZERS[args.optimizer]
     kwargs = dict(spec.kwargs, lr=args.lr)
     if args.optimizer == "lamb":
@@ -259,6 +298,10 @@ def build_optimizer(args: argparse.Namespace, model: GPT) -> torch.optim.Optimiz
     name = "Distributed" + spec.class_name
     if not hasattr(shardopt, name):
         raise SystemExit(f"this shardopt has no {name}; run with --baseline ddp")
+    if args.hsdp:
+        from shardopt.zero import hsdp_groups
+
+        kwargs.update(hsdp_groups(args.shard_size)._asdict())
     return getattr(shardopt, name)(groups, **kwargs)
 
 
@@ -484,12 +527,29 @@ class Trainer:
         save_checkpoint(folder, step, self.model, self.optimizer, trainer_state, self.env)
 
 
+def layout(trainer: Trainer) -> dict[str, Any]:
+    """Nodes, processes per node, and how the optimizer state is sharded and replicated."""
+    env, optimizer = trainer.env, trainer.optimizer
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", max(1, env.world_size // env.local_world_size)))
+    if trainer.args.baseline == "ddp":
+        shard_size, replicas = 1, env.world_size  # every rank holds the whole state
+    else:
+        shard_size, replicas = optimizer.world_size, optimizer.redundant_size
+    return {
+        "nodes": nodes,
+        "processes_per_node": env.local_world_size,
+        "shard_size": shard_size,
+        "replicas": replicas,
+    }
+
+
 def describe(trainer: Trainer) -> dict[str, Any]:
     """The run's setup, the head of log.json."""
     args, env, corpus = trainer.args, trainer.env, trainer.corpus
     return {
         "args": {k: v for k, v in vars(args).items() if k != "corpus"},
         "world_size": env.world_size,
+        "layout": layout(trainer),
         "device": str(env.device),
         "backend": dist.get_backend(),
         "threads_per_rank": torch.get_num_threads(),
@@ -506,12 +566,14 @@ def describe(trainer: Trainer) -> dict[str, Any]:
 
 
 def banner(log: dict[str, Any], start_step: int) -> str:
-    floor = "unknown"
+    floor, lay = "unknown", log["layout"]
     if log["loss_floor"] is not None:
         floor = f"{log['loss_floor']:.4f} (entropy rate {log['entropy_rate']:.4f})"
     lines = [
         f"{log['optimizer_class']} | {log['world_size']} rank(s), {log['backend']} on "
         f"{log['device']}, {log['threads_per_rank']} thread(s) per rank",
+        f"{lay['nodes']} node(s) x {lay['processes_per_node']} process(es) | optimizer state "
+        f"sharded over {lay['shard_size']} rank(s), {lay['replicas']} replica(s)",
         f"model {log['args']['model']}: {log['num_params']:,} params | data: {log['corpus']}",
         f"loss floor = {floor} nats/token | uniform guess = {log['uniform_loss']:.4f} | "
         f"{log['tokens_per_step']:,} tokens per step",
@@ -579,6 +641,11 @@ def train(args: argparse.Namespace, env: Env) -> dict[str, Any]:
     steps_since_log, interval_time, train_time = 0, 0.0, 0.0
     postfix: dict[str, str] = {}
     for step in range(trainer.start_step, args.steps):
+        if step == args.fail_at_step and env.rank == env.world_size - 1:
+            if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+                print(f"rank {env.rank}: simulated failure before step {step}", file=sys.stderr)
+                sys.stderr.flush()
+                os._exit(1)  # a crash: no cleanup, the other ranks' collectives fail
         started = time.perf_counter()
         step_loss, grad_norm = trainer.train_step(step)
         loss_sum += step_loss
@@ -640,7 +707,7 @@ def train(args: argparse.Namespace, env: Env) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    env = init_distributed(args.device)
+    env = init_distributed(args.device, args.threads)
     try:
         train(args, env)
         dist.barrier()  # rank 0 writes the outputs; no rank tears gloo down under another

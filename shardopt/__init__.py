@@ -1,6 +1,7 @@
 """shardopt: ZeRO-sharded fused multi-tensor optimizers for PyTorch (CPU and CUDA kernels)."""
 
 from shardopt._ops import cuda_available
+from shardopt._version import __version__
 from shardopt.optimizers import (
     FusedAdagrad,
     FusedAdam,
@@ -17,8 +18,6 @@ from shardopt.zero import (
     DistributedFusedSGD,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
     "DistributedFusedAdagrad",
     "DistributedFusedAdam",
@@ -31,5 +30,6 @@ __all__ = [
     "FusedMixedPrecisionLamb",
     "FusedNovoGrad",
     "FusedSGD",
+    "__version__",
     "cuda_available",
 ]

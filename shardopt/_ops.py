@@ -1,9 +1,10 @@
 """The one dispatch point between Python and the compiled kernels (``shardopt._C``).
 
-Every optimizer calls the kernels through this module. It checks that the tensors of one call share
-a device, groups tensor lists by their dtype signature (one kernel launch per group) and picks the
-CPU or CUDA backend. There is no silent Python fallback: a device without compiled kernels is an
-error that says how to build them.
+Every optimizer calls the kernels through this module. It hands the kernels DTensors' local shards
+(shardopt/optimizers/dtensor.py), checks that the tensors of one call share a device, groups tensor
+lists by their dtype signature (one kernel launch per group) and picks the CPU or CUDA backend.
+There is no silent Python fallback: a device without compiled kernels is an error that says how
+to build them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ Tensor = torch.Tensor
 TensorLists = Sequence[Sequence[Tensor]]
 
 _C: ModuleType | None = None
+_CPU: ModuleType | None = None
 
 
 def extension() -> ModuleType:
@@ -30,6 +32,17 @@ def extension() -> ModuleType:
     return _C
 
 
+def cpu_extension() -> ModuleType:
+    """The module whose ``cpu`` kernels serve CPU tensors: the ISA build for this CPU.
+
+    See Note: CPU capability dispatch (shardopt/_build.py).
+    """
+    global _CPU
+    if _CPU is None:
+        _CPU = _build.load_cpu_extension(extension())
+    return _CPU
+
+
 def cuda_available() -> bool:
     """True when the loaded extension was compiled with CUDA kernels."""
     return bool(extension().has_cuda)
@@ -38,14 +51,15 @@ def cuda_available() -> bool:
 def chunk_size(device: torch.device | str) -> int:
     """Elements per (tensor, chunk) work item of the backend that serves ``device``."""
     device = torch.device(device)
-    ext = extension()
-    return int(ext.cuda_chunk_size if device.type == "cuda" else ext.cpu_chunk_size)
+    if device.type == "cuda":
+        return int(extension().cuda_chunk_size)
+    return int(cpu_extension().cpu_chunk_size)
 
 
 def _backend(device: torch.device) -> ModuleType:
-    ext = extension()
     if device.type == "cpu":
-        return ext.cpu
+        return cpu_extension().cpu
+    ext = extension()
     if device.type == "cuda":
         if not ext.has_cuda:
             raise RuntimeError(
@@ -63,12 +77,37 @@ def common_device(tensors: Sequence[Tensor], what: str = "tensors") -> torch.dev
     """The single device of ``tensors``; a clear error when they are spread over several."""
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        names = ", ".join(sorted(str(d) for d in devices))
+        first = tensors[0].device
+        i, t = next((i, t) for i, t in enumerate(tensors) if t.device != first)
         raise RuntimeError(
-            f"all {what} of one optimizer must be on one device, got {names}; use one optimizer "
-            "per device"
+            f"Expected all {what} to be on the same device: tensor {i} (shape "
+            f"{tuple(t.shape)}) is on {t.device}, not on the same device as tensor 0 ({first}); "
+            "use one optimizer per device"
         )
     return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def check_param_devices(params: Sequence[Tensor], owner: str, first_index: int = 0) -> torch.device:
+    """The one device of ``params`` that have grads (torch keeps each grad on its param's).
+
+    The error says "not on the same device" (torch's and Apex's wording) and names the param's
+    index among all the optimizer's params (``first_index`` is that of ``params[0]``), its shape
+    and both devices.
+    """
+    device = None
+    first = None
+    for i, p in enumerate(params, first_index):
+        if p.grad is None:
+            continue
+        if device is None:
+            device, first = p.device, i
+        elif p.device != device:
+            raise RuntimeError(
+                f"{owner}: param {i} (shape {tuple(p.shape)}) is on {p.device}, not on the same "
+                f"device as param {first} ({device}); all params of a param group must be on "
+                "one device: use one optimizer (or param group) per device"
+            )
+    return device if device is not None else torch.device("cpu")
 
 
 def _signature_groups(lists: TensorLists) -> list[list[int]]:
@@ -91,7 +130,9 @@ def _call(
     ``per_tensor`` vectors (one entry per tensor position) are sliced to each group. Returns each
     group's tensor positions with the kernel's result for them.
     """
-    lists = [list(lst) for lst in lists if lst is not None]
+    from shardopt.optimizers.dtensor import local_lists
+
+    lists = local_lists([lst for lst in lists if lst is not None])
     if not lists or not lists[0]:
         return []
     device = common_device([t for lst in lists for t in lst], "params and grads")
@@ -131,11 +172,19 @@ def _per_tensor_results(
 
 def adam(lists: TensorLists, **kwargs) -> None:
     """Adam/AdamW over [grad, param, exp_avg, exp_avg_sq(, out)]; see csrc/kernels.h."""
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::adam
+        from shardopt import _custom_ops
+
+        return _custom_ops.adam(lists, **kwargs)
     _call("adam", lists, **kwargs)
 
 
 def sgd(lists: TensorLists, **kwargs) -> None:
     """SGD over [grad, param, momentum_buffer(, out)]; see csrc/kernels.h."""
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::sgd
+        from shardopt import _custom_ops
+
+        return _custom_ops.sgd(lists, **kwargs)
     _call("sgd", lists, **kwargs)
 
 
@@ -174,7 +223,9 @@ def norm(tensors: Sequence[Tensor], max_norm: bool = False) -> tuple[Tensor, Ten
 
     fp32 results (fp64 when every input is fp64) on the tensors' device; empty input gives zeros.
     """
-    tensors = list(tensors)
+    from shardopt.optimizers.dtensor import local_lists
+
+    (tensors,) = local_lists([tensors])
     if not tensors:
         z = torch.zeros((), dtype=torch.float32)
         return z, torch.zeros(0, dtype=torch.float32)
@@ -192,5 +243,8 @@ def scale(
     """dst = src * scale (``scale_t`` if given); sets ``found_inf`` to 1 on any inf/nan in src."""
     if not src:
         return
-    device = common_device(list(src) + list(dst) + [found_inf])
-    _backend(device).scale([list(src), list(dst)], scale, scale_t, found_inf)
+    from shardopt.optimizers.dtensor import local_lists
+
+    src, dst = local_lists([src, dst])
+    device = common_device(src + dst + [found_inf])
+    _backend(device).scale([src, dst], scale, scale_t, found_inf)

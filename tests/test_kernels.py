@@ -2,12 +2,13 @@
 determinism, accuracy, inf/nan, dtypes."""
 
 import math
+import re
 
 import pytest
 import torch
 from conftest import DTYPES, assert_close_to, make_tensors, skip_unsupported
 
-from shardopt import _ops
+from shardopt import _build, _ops
 
 # fp32 accumulation over 16384-element chunks (typical error sqrt(n) * 6e-8); fp64 in fp64
 NORM_TOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float64: 1e-13}
@@ -305,3 +306,20 @@ def test_sgd_device_first_run_flag_matches_host_flag(started, device):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
         expected = g if not started else 0.9 * 0.25 + 0.5 * g
         torch.testing.assert_close(x, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_build_lists_every_kernel_source_and_binds_every_kernel():
+    """_build.py's source stems and csrc/kernels.def agree with the files and the module."""
+    csrc = _build.CSRC
+    stems = {p.name[: -len("_math.h")] for p in (csrc / "optim").glob("*_math.h")}
+    assert stems - {"math_common"} == set(_build.OPTIMIZERS)
+    for name in _build.OPTIMIZERS:
+        assert (csrc / "optim" / f"{name}_cpu.cpp").is_file()
+        assert (csrc / "optim" / f"{name}_cuda.cu").is_file()
+    for name in _build.NORM_KERNELS:
+        assert (csrc / "norm" / f"{name}_cpu.cpp").is_file()
+        assert (csrc / "norm" / f"{name}_cuda.cu").is_file()
+    kernels = re.findall(r"^SHARDOPT_KERNEL\((\w+),", (csrc / "kernels.def").read_text(), re.M)
+    assert len(kernels) == len(set(kernels)) >= len(_build.OPTIMIZERS) + len(_build.NORM_KERNELS)
+    cpu = _ops.extension().cpu
+    assert sorted(kernels) == sorted(n for n in dir(cpu) if not n.startswith("_"))

@@ -59,7 +59,16 @@ def _name(cls):
 CASES = (
     [(f"int-param-{_name(c)}", c, _int_param, TypeError, r"param 1 .*torch\.int64") for c in ALL]
     + [(f"sparse-{_name(c)}", c, _sparse_grad, RuntimeError, r"SparseAdam") for c in ALL]
-    + [(f"mixed-devices-{_name(c)}", c, _mixed_devices, RuntimeError, r"one device") for c in ALL]
+    + [
+        (
+            f"mixed-devices-{_name(c)}",
+            c,
+            _mixed_devices,
+            RuntimeError,
+            r"param 1 \(shape \(3,\)\) is on cpu, not on the same device as param 0 \(meta\)",
+        )
+        for c in ALL
+    ]
     + [
         (
             f"amsgrad-{_name(c)}",

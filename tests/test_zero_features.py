@@ -45,16 +45,20 @@ def _loss(model, idx, tgt, scale=1.0):
 
 
 def _avg_grads(model, step, world):
-    """The rank-averaged gradient, computed locally by replaying every rank's batch."""
+    """The rank-averaged gradient, computed locally by replaying every rank's batch; None for a
+    param no rank computed a grad for (DDP(find_unused_parameters=True) leaves it None, so
+    torch.optim skips it)."""
     grads = [torch.zeros_like(p) for p in model.parameters()]
+    seen = [False] * len(grads)
     for r in range(world):
         model.zero_grad(set_to_none=True)
         _loss(model, *_data(step, r)).backward()
-        for g, p in zip(grads, model.parameters()):
+        for i, (g, p) in enumerate(zip(grads, model.parameters())):
             if p.grad is not None:
                 g += p.grad / world
+                seen[i] = True
     model.zero_grad(set_to_none=True)
-    return grads
+    return [g if s else None for g, s in zip(grads, seen)]
 
 
 def _assert_same(a: nn.Module, b: nn.Module, tol=TOL):
@@ -74,10 +78,15 @@ def tied_unused_reused(rank, world):
         _loss(model, *_data(step, rank)).backward()
         opt.step()
         for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
-            p.grad = g  # the unused param gets a zero grad, as in the sharded optimizer
+            p.grad = g  # None for the unused param: skipped, as torch.optim skips it
         ref_opt.step()
         _assert_same(model, ref)
     assert model.out.weight is model.emb.weight
+    state = opt.state_dict()["state"]
+    ids = {id(p): i for i, p in enumerate(model.parameters())}
+    for p in model.unused.parameters():
+        assert float(state[ids[id(p)]]["step"]) == 0.0
+        assert not state[ids[id(p)]]["exp_avg"].any()
 
 
 def matches_ddp_adamw(rank, world):
@@ -114,7 +123,7 @@ def clip_grad_norm_matches_torch(rank, world):
         norm = opt.clip_grad_norm(0.3)
         opt.step()
         for p, g in zip(ref.parameters(), _avg_grads(ref, step, world)):
-            p.grad = g * 10.0
+            p.grad = None if g is None else g * 10.0
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
         ref_opt.step()
         torch.testing.assert_close(norm, ref_norm, **TOL)
@@ -372,6 +381,49 @@ def misuse_frozen_then_unfrozen(rank, world):
         opt.step()
 
 
+DISTRIBUTED = [
+    shardopt.DistributedFusedAdam,
+    shardopt.DistributedFusedLAMB,
+    shardopt.DistributedFusedNovoGrad,
+    shardopt.DistributedFusedAdagrad,
+    lambda ps, *a, **kw: shardopt.DistributedFusedSGD(ps, 0.1, *a, **kw),
+]
+
+
+def misuse_add_param_group_and_hyperparams(rank, world):
+    """add_param_group after construction is a clear NotImplementedError; hyperparameters are
+    checked as by the single-process classes (the shared check_hyperparams); torch.optim's
+    foreach/fused are accepted, maximize/differentiable rejected."""
+    for make in DISTRIBUTED:
+        model = nn.Linear(3, 2)
+        opt = make([model.weight])
+        name = type(opt).__name__
+        with pytest.raises(NotImplementedError, match=rf"{name}.*add_param_group.*construct"):
+            opt.add_param_group({"params": [model.bias]})
+        assert len(opt.param_groups) == 1
+        opt.close()
+        with pytest.raises(ValueError, match=r"Invalid weight_decay value: -1"):
+            make(model.parameters(), weight_decay=-1.0)
+        with pytest.raises(ValueError, match=r"Invalid weight_decay value: nan"):
+            make(model.parameters(), weight_decay=float("nan"))
+        with pytest.raises(NotImplementedError, match=rf"{name}.*differentiable"):
+            make(model.parameters(), differentiable=True)
+        with pytest.raises(NotImplementedError, match=rf"{name}.*maximize"):
+            make(model.parameters(), maximize=True)
+        make(model.parameters(), foreach=True, fused=True).close()
+    for cls in (
+        shardopt.DistributedFusedAdam,
+        shardopt.DistributedFusedLAMB,
+        shardopt.DistributedFusedNovoGrad,
+    ):
+        with pytest.raises(ValueError, match=r"Invalid learning rate: -1.0"):
+            cls(nn.Linear(3, 2).parameters(), lr=-1.0)
+        with pytest.raises(ValueError, match=r"Invalid beta parameter at index 1: 1.0"):
+            cls(nn.Linear(3, 2).parameters(), betas=(0.9, 1.0))
+        with pytest.raises(TypeError, match=r"bias_correction.*Apex's positional order"):
+            cls(nn.Linear(3, 2).parameters(), 1e-3, (0.9, 0.999))
+
+
 def capturable_tensor_lr(rank, world):
     """capturable=True with a device-tensor lr (what a CUDA-graph capture needs): same result as
     a float lr changed on the host; loading a state dict keeps the lr and step tensors bound."""
@@ -384,6 +436,7 @@ def capturable_tensor_lr(rank, world):
     ):
         torch.manual_seed(0)
         model = Net()
+        del model.unused  # under capture no param is skipped (no host sync to learn which)
         ref = copy.deepcopy(model)
         lr = torch.tensor(0.05)
         opt = cls(model.parameters(), lr=lr, capturable=True, bucket_cap_mb=64 * 4 / 2**20, **kw)
@@ -443,6 +496,7 @@ CASES = [
     misuse_params_differ,
     misuse_ddp_wrapped,
     misuse_frozen_then_unfrozen,
+    misuse_add_param_group_and_hyperparams,
     capturable_tensor_lr,
     misuse_capturable,
     overlap_param_sync_waits_in_forward,

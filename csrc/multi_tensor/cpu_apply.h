@@ -10,7 +10,7 @@
 #include <optional>
 #include <vector>
 
-#include "tensor_lists.h"
+#include "checks.h"
 
 namespace shardopt {
 namespace cpu {
@@ -65,14 +65,6 @@ inline double scalar_or(const std::optional<at::Tensor>& t, double fallback) {
 // True when a found_inf flag is present and set: the kernel must leave everything unchanged.
 inline bool skip_step(const std::optional<at::Tensor>& found_inf) {
   return found_inf.has_value() && found_inf->item<double>() != 0.0;
-}
-
-// State slots hold acc_t (fp32, or fp64 for fp64 params).
-template <typename T>
-void check_state_dtype(const std::vector<at::Tensor>& list, const char* name, const char* slot) {
-  if (list.empty()) return;
-  TORCH_CHECK(list[0].scalar_type() == c10::CppTypeToScalarType<T>::value, name, ": ", slot,
-              " must be ", c10::CppTypeToScalarType<T>::value, ", got ", list[0].scalar_type());
 }
 
 }  // namespace cpu

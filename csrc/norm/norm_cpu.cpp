@@ -46,14 +46,9 @@ double combine(double a, double b, bool max_norm) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> norm_cpu(const TensorList& tensors, bool max_norm) {
+  check_tensor_lists_no_out({tensors}, 1, c10::DeviceType::CPU, "norm", /*mixed_dtypes=*/true);
   bool all_double = !tensors.empty();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.device().is_cpu(), "norm: tensor ", i, " is on ", t.device(), ", expected cpu");
-    TORCH_CHECK(t.layout() == at::kStrided, "norm: sparse tensors are not supported");
-    TORCH_CHECK(t.is_contiguous(), "norm: tensor ", i, " is not contiguous");
-    all_double &= t.scalar_type() == at::kDouble;
-  }
+  for (const at::Tensor& t : tensors) all_double &= t.scalar_type() == at::kDouble;
   const auto out_dtype = all_double ? at::kDouble : at::kFloat;
   const int64_t n = static_cast<int64_t>(tensors.size());
   const auto items = cpu::work_items(tensors);

@@ -8,7 +8,7 @@
 #include <ATen/ops/zeros.h>
 
 #include "../kernels.h"
-#include "../multi_tensor/cuda_apply.cuh"
+#include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
 #include "block_reduce.cuh"
 
@@ -53,18 +53,14 @@ std::tuple<at::Tensor, at::Tensor> norm_cuda(const TensorList& tensors, bool max
     const auto opts = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
     return {at::zeros({}, opts), at::zeros({0}, opts)};
   }
+  const std::vector<std::vector<at::Tensor>> lists{tensors};
+  // one traversal per dtype (below), so the list may mix dtypes
+  check_tensor_lists_no_out(lists, 1, c10::DeviceType::CUDA, "norm", /*mixed_dtypes=*/true);
   const at::Device device = tensors[0].device();
-  // Mixed dtypes are allowed here, so check_tensor_lists (one dtype per slot) does not apply.
   bool all_double = true;
   int64_t units = 0;
   std::vector<at::ScalarType> dtypes;  // in order of first appearance
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.device() == device, "norm: tensor ", i, " is on ", t.device(), ", tensor 0 on ",
-                device, "; all tensors must be on one CUDA device");
-    TORCH_CHECK(t.device().is_cuda(), "norm: tensor ", i, " is not a CUDA tensor");
-    TORCH_CHECK(t.layout() == at::kStrided, "norm: sparse tensors are not supported");
-    TORCH_CHECK(t.is_contiguous(), "norm: tensor ", i, " is not contiguous");
+  for (const at::Tensor& t : tensors) {
     all_double = all_double && t.scalar_type() == at::kDouble;
     units += (t.numel() + cuda::kChunkSize - 1) / cuda::kChunkSize;
     if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) {
@@ -78,7 +74,6 @@ std::tuple<at::Tensor, at::Tensor> norm_cuda(const TensorList& tensors, bool max
   at::Tensor first = at::zeros({n, 2}, opts.dtype(at::kLong));  // empty tensors keep 0 chunks
   at::Tensor per_tensor = at::empty({n}, opts);
   at::Tensor total = at::empty({}, opts);
-  const std::vector<std::vector<at::Tensor>> lists{tensors};
 
   auto run = [&](auto out) {
     using out_t = decltype(out);

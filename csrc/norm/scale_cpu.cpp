@@ -9,18 +9,10 @@ namespace shardopt {
 
 void scale_cpu(const TensorLists& lists, double scale, const OptTensor& scale_t,
                const at::Tensor& found_inf) {
-  TORCH_CHECK(lists.size() == 2, "scale: expected [src, dst] tensor lists, got ", lists.size());
-  TORCH_CHECK(lists[0].size() == lists[1].size(), "scale: src and dst lists differ in length");
-  for (size_t i = 0; i < lists[0].size(); ++i) {
-    for (const auto& t : {lists[0][i], lists[1][i]}) {
-      TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.layout() == at::kStrided,
-                  "scale: tensor ", i, " must be a contiguous dense cpu tensor");
-    }
-    TORCH_CHECK(lists[0][i].numel() == lists[1][i].numel(), "scale: tensor ", i,
-                " differs in numel between src and dst");
-  }
-  TORCH_CHECK(found_inf.numel() == 1 && found_inf.scalar_type() == at::kFloat,
-              "scale: found_inf must be a 1-element float32 tensor");
+  // each tensor is dispatched on its own dtype: a slot may mix dtypes here
+  check_tensor_lists_no_out(lists, 2, c10::DeviceType::CPU, "scale", /*mixed_dtypes=*/true,
+                            " [src, dst]");
+  device_scalar(found_inf, at::Device(at::kCPU), "scale", "found_inf");
   if (lists[0].empty()) return;
   const float s = static_cast<float>(cpu::scalar_or(scale_t, scale));
   const auto items = cpu::work_items(lists[0]);

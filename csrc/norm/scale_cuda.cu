@@ -3,7 +3,7 @@
 // scale may live on the device (scale_t); found_inf is only ever set to 1, never reset, so one flag
 // can collect several calls.
 #include "../kernels.h"
-#include "../multi_tensor/cuda_apply.cuh"
+#include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
 
 namespace shardopt {
@@ -61,13 +61,12 @@ void dispatch_storage(at::ScalarType dtype, const char* slot, F&& f) {
 
 void scale_cuda(const TensorLists& lists, double scale, const OptTensor& scale_t,
                 const at::Tensor& found_inf) {
-  const bool has_out = check_tensor_lists(lists, kDepth, c10::DeviceType::CUDA, "scale");
-  TORCH_CHECK(!has_out, "scale: expected ", kDepth, " tensor lists [src, dst], got ", lists.size());
+  check_tensor_lists_no_out(lists, kDepth, c10::DeviceType::CUDA, "scale", /*mixed_dtypes=*/false,
+                            " [src, dst]");
   if (lists[0].empty()) return;
   const at::Device device = lists[0][0].device();
-  const float* scale_ptr = cuda::device_scalar(scale_t, device, "scale", "scale_t");
-  float* found_inf_ptr =
-      const_cast<float*>(cuda::device_scalar(found_inf, device, "scale", "found_inf"));
+  const float* scale_ptr = device_scalar(scale_t, device, "scale", "scale_t");
+  float* found_inf_ptr = device_scalar(found_inf, device, "scale", "found_inf");
   dispatch_storage(lists[kSrc][0].scalar_type(), "src", [&](auto src) {
     dispatch_storage(lists[kDst][0].scalar_type(), "dst", [&](auto dst) {
       using Op = ScaleOp<decltype(src), decltype(dst)>;

@@ -17,10 +17,9 @@ void adagrad_cpu(const TensorLists& lists, double lr, double eps, double weight_
       "adagrad", [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        cpu::check_state_dtype<acc_t>(lists[kSum], "adagrad", "sum");
-        const Hyper<acc_t> h{static_cast<acc_t>(cpu::scalar_or(lr_t, lr)),
-                             static_cast<acc_t>(eps), static_cast<acc_t>(weight_decay),
-                             adagrad_w_mode};
+        check_state_dtype<acc_t>(lists[kSum], "adagrad", "sum");
+        const Hyper<acc_t> h =
+            make_hyper<acc_t>(cpu::scalar_or(lr_t, lr), eps, weight_decay, adagrad_w_mode);
         const acc_t gs = static_cast<acc_t>(cpu::scalar_or(grad_scale_t, 1.0));
         auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
         auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);

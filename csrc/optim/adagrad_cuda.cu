@@ -1,7 +1,7 @@
 // Adagrad on CUDA tensors: the cuda traversal (cuda_apply.cuh) over adagrad_math.h. Device scalars
 // are read inside the kernel so a capturable step never syncs with the host.
 #include "../kernels.h"
-#include "../multi_tensor/cuda_apply.cuh"
+#include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
 #include "adagrad_math.h"
 
@@ -28,7 +28,7 @@ struct AdagradOp : cuda::OpBase {
   template <typename C>
   __device__ Ctx begin(const C&) const {
     Ctx ctx{h, static_cast<acc_t>(cuda::value_or(grad_scale_t, 1.0))};
-    if (lr_t != nullptr) ctx.h.lr = static_cast<acc_t>(*lr_t);
+    device_lr(ctx.h);
     return ctx;
   }
 
@@ -53,13 +53,10 @@ void adagrad_cuda(const TensorLists& lists, double lr, double eps, double weight
       "adagrad", [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        cuda::check_state_dtype<acc_t>(lists[kSum], "adagrad", "sum");
+        check_state_dtype<acc_t>(lists[kSum], "adagrad", "sum");
         AdagradOp<Ty> op;
-        op.lr_t = cuda::device_scalar(lr_t, device, "adagrad", "lr_t");
-        op.grad_scale_t = cuda::device_scalar(grad_scale_t, device, "adagrad", "grad_scale_t");
-        op.found_inf_t = cuda::device_scalar(found_inf_t, device, "adagrad", "found_inf_t");
-        op.h = {static_cast<acc_t>(lr), static_cast<acc_t>(eps), static_cast<acc_t>(weight_decay),
-                adagrad_w_mode};
+        op.set_scalars(device, "adagrad", lr_t, std::nullopt, grad_scale_t, found_inf_t);
+        op.h = make_hyper<acc_t>(lr, eps, weight_decay, adagrad_w_mode);
         cuda::apply_elementwise(lists, op);
       });
 }

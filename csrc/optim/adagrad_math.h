@@ -18,6 +18,12 @@ struct Hyper {
   bool adagrad_w_mode;
 };
 
+// The hyperparameters of one call from the host arguments (in the kernel's order).
+template <typename T>
+Hyper<T> make_hyper(double lr, double eps, double weight_decay, bool adagrad_w_mode) {
+  return {static_cast<T>(lr), static_cast<T>(eps), static_cast<T>(weight_decay), adagrad_w_mode};
+}
+
 template <typename T>
 SHARDOPT_HD void update(T& p, T g, T& h_sum, const Hyper<T>& h) {
   if (!h.adagrad_w_mode) g += h.weight_decay * p;

@@ -19,16 +19,10 @@ void adam_cpu(const TensorLists& lists, double lr, double beta1, double beta2, d
       "adam", [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        cpu::check_state_dtype<acc_t>(lists[kExpAvg], "adam", "exp_avg");
-        cpu::check_state_dtype<acc_t>(lists[kExpAvgSq], "adam", "exp_avg_sq");
-        const Hyper<acc_t> h{static_cast<acc_t>(cpu::scalar_or(lr_t, lr)),
-                             static_cast<acc_t>(beta1),
-                             static_cast<acc_t>(beta2),
-                             static_cast<acc_t>(eps),
-                             static_cast<acc_t>(weight_decay),
-                             static_cast<acc_t>(shardopt::bias_correction(beta1, t, bias_correction)),
-                             static_cast<acc_t>(shardopt::bias_correction(beta2, t, bias_correction)),
-                             adam_w_mode};
+        check_state_dtype<acc_t>(lists[kExpAvg], "adam", "exp_avg");
+        check_state_dtype<acc_t>(lists[kExpAvgSq], "adam", "exp_avg_sq");
+        const Hyper<acc_t> h = make_hyper<acc_t>(cpu::scalar_or(lr_t, lr), beta1, beta2, eps, t,
+                                                 adam_w_mode, bias_correction, weight_decay);
         const acc_t gs = static_cast<acc_t>(cpu::scalar_or(grad_scale_t, 1.0));
         auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
         auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);

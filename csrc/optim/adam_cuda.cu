@@ -1,7 +1,7 @@
 // Adam on CUDA tensors: the cuda traversal (cuda_apply.cuh) over adam_math.h. Device scalars are
 // read inside the kernel so a capturable step never syncs with the host.
 #include "../kernels.h"
-#include "../multi_tensor/cuda_apply.cuh"
+#include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
 #include "adam_math.h"
 
@@ -17,8 +17,7 @@ struct AdamOp : cuda::OpBase {
                                    cuda::Slots<G, P, acc_t, acc_t, typename Ty::out_t>,
                                    cuda::Slots<G, P, acc_t, acc_t>>;
   adam::Hyper<acc_t> h;  // host values; begin() swaps in the device scalars
-  double beta1, beta2;
-  bool bias_correction;
+  BiasCorrection bias;
 
   struct Ctx {
     adam::Hyper<acc_t> h;
@@ -31,12 +30,8 @@ struct AdamOp : cuda::OpBase {
   template <typename C>
   __device__ Ctx begin(const C&) const {
     Ctx ctx{h, static_cast<acc_t>(cuda::value_or(grad_scale_t, 1.0))};
-    if (lr_t != nullptr) ctx.h.lr = static_cast<acc_t>(*lr_t);
-    if (step_t != nullptr) {
-      const double t = *step_t;
-      ctx.h.bc1 = static_cast<acc_t>(shardopt::bias_correction(beta1, t, bias_correction));
-      ctx.h.bc2 = static_cast<acc_t>(shardopt::bias_correction(beta2, t, bias_correction));
-    }
+    device_lr(ctx.h);
+    device_step(ctx.h, bias);
     return ctx;
   }
 
@@ -62,25 +57,13 @@ void adam_cuda(const TensorLists& lists, double lr, double beta1, double beta2, 
       "adam", [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        cuda::check_state_dtype<acc_t>(lists[kExpAvg], "adam", "exp_avg");
-        cuda::check_state_dtype<acc_t>(lists[kExpAvgSq], "adam", "exp_avg_sq");
-        const double t = static_cast<double>(step);
+        check_state_dtype<acc_t>(lists[kExpAvg], "adam", "exp_avg");
+        check_state_dtype<acc_t>(lists[kExpAvgSq], "adam", "exp_avg_sq");
         AdamOp<Ty> op;
-        op.lr_t = cuda::device_scalar(lr_t, device, "adam", "lr_t");
-        op.step_t = cuda::device_scalar(step_t, device, "adam", "step_t");
-        op.grad_scale_t = cuda::device_scalar(grad_scale_t, device, "adam", "grad_scale_t");
-        op.found_inf_t = cuda::device_scalar(found_inf_t, device, "adam", "found_inf_t");
-        op.h = {static_cast<acc_t>(lr),
-                static_cast<acc_t>(beta1),
-                static_cast<acc_t>(beta2),
-                static_cast<acc_t>(eps),
-                static_cast<acc_t>(weight_decay),
-                static_cast<acc_t>(shardopt::bias_correction(beta1, t, bias_correction)),
-                static_cast<acc_t>(shardopt::bias_correction(beta2, t, bias_correction)),
-                adam_w_mode};
-        op.beta1 = beta1;
-        op.beta2 = beta2;
-        op.bias_correction = bias_correction;
+        op.set_scalars(device, "adam", lr_t, step_t, grad_scale_t, found_inf_t);
+        op.h = make_hyper<acc_t>(lr, beta1, beta2, eps, static_cast<double>(step), adam_w_mode,
+                                 bias_correction, weight_decay);
+        op.bias = {beta1, beta2, bias_correction};
         cuda::apply_elementwise(lists, op);
       });
 }

@@ -21,6 +21,30 @@ struct Hyper {
   bool adam_w_mode;
 };
 
+// Stores the bias corrections of step t (host step: make_hyper; device step: the CUDA op).
+template <typename T>
+SHARDOPT_HD void set_step(Hyper<T>& h, const BiasCorrection& bias, double t) {
+  h.bc1 = static_cast<T>(bias.bc1(t));
+  h.bc2 = static_cast<T>(bias.bc2(t));
+}
+
+// The hyperparameters of one call from the host arguments (in the kernel's order), with the bias
+// corrections of step t.
+template <typename T>
+Hyper<T> make_hyper(double lr, double beta1, double beta2, double eps, double t, bool adam_w_mode,
+                    bool bias_correction, double weight_decay) {
+  Hyper<T> h{static_cast<T>(lr),
+             static_cast<T>(beta1),
+             static_cast<T>(beta2),
+             static_cast<T>(eps),
+             static_cast<T>(weight_decay),
+             T(1),
+             T(1),
+             adam_w_mode};
+  set_step(h, BiasCorrection{beta1, beta2, bias_correction}, t);
+  return h;
+}
+
 template <typename T>
 SHARDOPT_HD void update(T& p, T g, T& m, T& v, const Hyper<T>& h) {
   if (!h.adam_w_mode) g += h.weight_decay * p;

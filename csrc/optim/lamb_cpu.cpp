@@ -18,10 +18,7 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
     bool bias_correction, double weight_decay, bool grad_averaging, bool adam_w_mode,
     const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t) {
   using namespace lamb;
-  const bool has_out =
-      check_tensor_lists(lists, kStage1Depth, c10::DeviceType::CPU, "lamb_stage1");
-  TORCH_CHECK(!has_out, "lamb_stage1: expected ", kStage1Depth, " tensor lists, got ",
-              lists.size());
+  check_tensor_lists_no_out(lists, kStage1Depth, c10::DeviceType::CPU, "lamb_stage1");
   const int64_t n = static_cast<int64_t>(lists[0].size());
   // fp64 sums for fp64 params, else fp32 (as norm_cpu)
   const bool fp64 = n > 0 && lists[kParam][0].scalar_type() == at::kDouble;
@@ -36,10 +33,10 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
       [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        cpu::check_state_dtype<acc_t>(lists[kExpAvg], "lamb_stage1", "exp_avg");
-        cpu::check_state_dtype<acc_t>(lists[kExpAvgSq], "lamb_stage1", "exp_avg_sq");
-        const Hyper<acc_t> h = make_hyper<acc_t>(beta1, beta2, eps, weight_decay, grad_averaging,
-                                                 adam_w_mode, t, bias_correction);
+        check_state_dtype<acc_t>(lists[kExpAvg], "lamb_stage1", "exp_avg");
+        check_state_dtype<acc_t>(lists[kExpAvgSq], "lamb_stage1", "exp_avg_sq");
+        const Hyper<acc_t> h = make_hyper<acc_t>(beta1, beta2, eps, t, bias_correction,
+                                                 weight_decay, grad_averaging, adam_w_mode);
         const acc_t gs = static_cast<acc_t>(cpu::scalar_or(grad_scale_t, 1.0));
         auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
         auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);
@@ -88,8 +85,8 @@ void lamb_stage2_cpu(const TensorLists& lists, const at::Tensor& w_norm, const a
   using namespace lamb;
   check_tensor_lists(lists, kStage2Depth, c10::DeviceType::CPU, "lamb_stage2");
   const int64_t n = static_cast<int64_t>(lists[0].size());
-  TORCH_CHECK(w_norm.numel() == n && u_norm.numel() == n, "lamb_stage2: w_norm and u_norm need ",
-              n, " entries, got ", w_norm.numel(), " and ", u_norm.numel());
+  check_per_tensor(w_norm, lists[0].size(), "lamb_stage2", "w_norm");
+  check_per_tensor(u_norm, lists[0].size(), "lamb_stage2", "u_norm");
   if (n == 0 || cpu::skip_step(found_inf_t)) return;
   const at::Tensor wn = w_norm.to(at::kDouble).contiguous();
   const at::Tensor un = u_norm.to(at::kDouble).contiguous();
@@ -102,11 +99,11 @@ void lamb_stage2_cpu(const TensorLists& lists, const at::Tensor& w_norm, const a
       out_dtype(lists, kStage2Depth), "lamb_stage2", [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        cpu::check_state_dtype<acc_t>(lists[kStage2ExpAvg], "lamb_stage2", "exp_avg");
-        cpu::check_state_dtype<acc_t>(lists[kStage2ExpAvgSq], "lamb_stage2", "exp_avg_sq");
+        check_state_dtype<acc_t>(lists[kStage2ExpAvg], "lamb_stage2", "exp_avg");
+        check_state_dtype<acc_t>(lists[kStage2ExpAvgSq], "lamb_stage2", "exp_avg_sq");
         // grad_averaging only sets beta3, which stage 2 does not use
-        const Hyper<acc_t> h = make_hyper<acc_t>(beta1, beta2, eps, weight_decay, true,
-                                                 adam_w_mode, t, bias_correction);
+        const Hyper<acc_t> h = make_hyper<acc_t>(beta1, beta2, eps, t, bias_correction,
+                                                 weight_decay, true, adam_w_mode);
         auto p = cpu::pointers<typename Ty::param_t>(lists[kStage2Param]);
         auto m = cpu::pointers<acc_t>(lists[kStage2ExpAvg]);
         auto v = cpu::pointers<acc_t>(lists[kStage2ExpAvgSq]);

@@ -10,7 +10,7 @@
 #include <ATen/ops/zeros.h>
 
 #include "../kernels.h"
-#include "../multi_tensor/cuda_apply.cuh"
+#include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
 #include "../norm/block_reduce.cuh"
 #include "lamb_math.h"
@@ -22,25 +22,18 @@ namespace {
 template <typename acc_t>
 struct LambOpBase : cuda::OpBase {
   lamb::Hyper<acc_t> h;  // bias corrections of the host step
-  double beta1, beta2;
-  bool bias_correction;
+  BiasCorrection bias;
 
-  void set_hyper(double b1, double b2, double eps, double weight_decay, bool grad_averaging,
-                 bool adam_w_mode, int64_t step, bool bc) {
-    h = lamb::make_hyper<acc_t>(b1, b2, eps, weight_decay, grad_averaging, adam_w_mode,
-                                static_cast<double>(step), bc);
-    beta1 = b1;
-    beta2 = b2;
-    bias_correction = bc;
+  void set_hyper(double beta1, double beta2, double eps, int64_t step, bool bias_correction,
+                 double weight_decay, bool grad_averaging, bool adam_w_mode) {
+    h = lamb::make_hyper<acc_t>(beta1, beta2, eps, static_cast<double>(step), bias_correction,
+                                weight_decay, grad_averaging, adam_w_mode);
+    bias = {beta1, beta2, bias_correction};
   }
 
   __device__ lamb::Hyper<acc_t> hyper() const {
     lamb::Hyper<acc_t> out = h;
-    if (step_t != nullptr) {
-      const double t = *step_t;
-      out.bc1 = static_cast<acc_t>(shardopt::bias_correction(beta1, t, bias_correction));
-      out.bc2 = static_cast<acc_t>(shardopt::bias_correction(beta2, t, bias_correction));
-    }
+    this->device_step(out, bias);
     return out;
   }
 };
@@ -132,10 +125,7 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cuda(
     bool bias_correction, double weight_decay, bool grad_averaging, bool adam_w_mode,
     const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t) {
   using namespace lamb;
-  const bool has_out =
-      check_tensor_lists(lists, kStage1Depth, c10::DeviceType::CUDA, "lamb_stage1");
-  TORCH_CHECK(!has_out, "lamb_stage1: expected ", kStage1Depth, " tensor lists, got ",
-              lists.size());
+  check_tensor_lists_no_out(lists, kStage1Depth, c10::DeviceType::CUDA, "lamb_stage1");
   const int64_t n = static_cast<int64_t>(lists[0].size());
   if (n == 0) {
     const auto opts = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
@@ -153,8 +143,8 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cuda(
       [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        cuda::check_state_dtype<acc_t>(lists[kExpAvg], "lamb_stage1", "exp_avg");
-        cuda::check_state_dtype<acc_t>(lists[kExpAvgSq], "lamb_stage1", "exp_avg_sq");
+        check_state_dtype<acc_t>(lists[kExpAvg], "lamb_stage1", "exp_avg");
+        check_state_dtype<acc_t>(lists[kExpAvgSq], "lamb_stage1", "exp_avg_sq");
         const auto opts = at::TensorOptions().device(device).dtype(
             c10::CppTypeToScalarType<acc_t>::value);
         const int64_t stride = std::max<int64_t>(units, 1);
@@ -162,11 +152,9 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cuda(
         at::Tensor first = at::zeros({n, 2}, opts.dtype(at::kLong));  // 0 chunks until written
         at::Tensor sums = at::empty({2, n}, opts);
         Stage1Op<Ty> op;
-        op.step_t = cuda::device_scalar(step_t, device, "lamb_stage1", "step_t");
-        op.grad_scale_t = cuda::device_scalar(grad_scale_t, device, "lamb_stage1", "grad_scale_t");
-        op.found_inf_t = cuda::device_scalar(found_inf_t, device, "lamb_stage1", "found_inf_t");
-        op.set_hyper(beta1, beta2, eps, weight_decay, grad_averaging, adam_w_mode, step,
-                     bias_correction);
+        op.set_scalars(device, "lamb_stage1", std::nullopt, step_t, grad_scale_t, found_inf_t);
+        op.set_hyper(beta1, beta2, eps, step, bias_correction, weight_decay, grad_averaging,
+                     adam_w_mode);
         op.w_partial = partial.data_ptr<acc_t>();
         op.u_partial = op.w_partial + stride;
         op.first = first.data_ptr<int64_t>();
@@ -198,16 +186,14 @@ void lamb_stage2_cuda(const TensorLists& lists, const at::Tensor& w_norm,
   dispatch_types(param, param, out_dtype(lists, kStage2Depth), "lamb_stage2", [&](auto types) {
     using Ty = decltype(types);
     using acc_t = typename Ty::acc_t;
-    cuda::check_state_dtype<acc_t>(lists[kStage2ExpAvg], "lamb_stage2", "exp_avg");
-    cuda::check_state_dtype<acc_t>(lists[kStage2ExpAvgSq], "lamb_stage2", "exp_avg_sq");
+    check_state_dtype<acc_t>(lists[kStage2ExpAvg], "lamb_stage2", "exp_avg");
+    check_state_dtype<acc_t>(lists[kStage2ExpAvgSq], "lamb_stage2", "exp_avg_sq");
     Stage2Op<Ty> op;
-    op.lr_t = cuda::device_scalar(lr_t, device, "lamb_stage2", "lr_t");
-    op.step_t = cuda::device_scalar(step_t, device, "lamb_stage2", "step_t");
-    op.found_inf_t = cuda::device_scalar(found_inf_t, device, "lamb_stage2", "found_inf_t");
+    op.set_scalars(device, "lamb_stage2", lr_t, step_t, std::nullopt, found_inf_t);
     // grad_averaging only sets beta3, which stage 2 does not use
-    op.set_hyper(beta1, beta2, eps, weight_decay, true, adam_w_mode, step, bias_correction);
-    op.w_norm = cuda::per_tensor_vector(w_norm, n, device, "lamb_stage2", "w_norm");
-    op.u_norm = cuda::per_tensor_vector(u_norm, n, device, "lamb_stage2", "u_norm");
+    op.set_hyper(beta1, beta2, eps, step, bias_correction, weight_decay, true, adam_w_mode);
+    op.w_norm = per_tensor_vector(w_norm, n, device, "lamb_stage2", "w_norm");
+    op.u_norm = per_tensor_vector(u_norm, n, device, "lamb_stage2", "u_norm");
     op.lr = static_cast<acc_t>(lr);
     op.use_nvlamb = use_nvlamb;
     cuda::apply_elementwise(lists, op);

@@ -30,20 +30,28 @@ struct Hyper {
   bool adam_w_mode;
 };
 
-// The hyperparameters in T with the bias corrections of step t (host and device: t may be read
-// from a device scalar). beta3 only matters to stage 1.
+// Stores the bias corrections of step t (host step: make_hyper; device step: the CUDA op).
 template <typename T>
-SHARDOPT_HD Hyper<T> make_hyper(double beta1, double beta2, double eps, double weight_decay,
-                                bool grad_averaging, bool adam_w_mode, double t,
-                                bool bias_correction) {
-  return {static_cast<T>(beta1),
-          static_cast<T>(beta2),
-          static_cast<T>(grad_averaging ? 1.0 - beta1 : 1.0),
-          static_cast<T>(eps),
-          static_cast<T>(weight_decay),
-          static_cast<T>(shardopt::bias_correction(beta1, t, bias_correction)),
-          static_cast<T>(shardopt::bias_correction(beta2, t, bias_correction)),
-          adam_w_mode};
+SHARDOPT_HD void set_step(Hyper<T>& h, const BiasCorrection& bias, double t) {
+  h.bc1 = static_cast<T>(bias.bc1(t));
+  h.bc2 = static_cast<T>(bias.bc2(t));
+}
+
+// The hyperparameters of one call from the host arguments (in lamb_stage1's order), with the bias
+// corrections of step t. beta3 (from grad_averaging) only matters to stage 1.
+template <typename T>
+Hyper<T> make_hyper(double beta1, double beta2, double eps, double t, bool bias_correction,
+                    double weight_decay, bool grad_averaging, bool adam_w_mode) {
+  Hyper<T> h{static_cast<T>(beta1),
+             static_cast<T>(beta2),
+             static_cast<T>(grad_averaging ? 1.0 - beta1 : 1.0),
+             static_cast<T>(eps),
+             static_cast<T>(weight_decay),
+             T(1),
+             T(1),
+             adam_w_mode};
+  set_step(h, BiasCorrection{beta1, beta2, bias_correction}, t);
+  return h;
 }
 
 // The update term u from the param (before the update) and the updated moments. Both stages call

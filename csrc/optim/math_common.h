@@ -1,7 +1,11 @@
-// Shared by every <name>_math.h: the host/device qualifier and the acc-type helpers.
+// Shared by every <name>_math.h: the host/device qualifier, the acc-type helpers and the bias
+// corrections.
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <cmath>
+#include <cstdint>
 
 #if defined(__CUDACC__)
 #define SHARDOPT_HD __host__ __device__ __forceinline__
@@ -27,5 +31,17 @@ template <typename T>
 SHARDOPT_HD T bias_correction(T beta, T step, bool enabled) {
   return enabled ? T(1) - pow(beta, step) : T(1);
 }
+
+// The step-dependent part of the Adam-style optimizers (Adam, LAMB, NovoGrad): the bias corrections
+// of step t, in double. Each such math header has a set_step(Hyper<T>&, const BiasCorrection&,
+// double t) that stores them in its Hyper; its make_hyper calls it for the host step, and the CUDA
+// ops call it again per block when the step is a device scalar (cuda::OpBase::device_step).
+struct BiasCorrection {
+  double beta1, beta2;
+  bool enabled;
+
+  SHARDOPT_HD double bc1(double t) const { return bias_correction(beta1, t, enabled); }
+  SHARDOPT_HD double bc2(double t) const { return bias_correction(beta2, t, enabled); }
+};
 
 }  // namespace shardopt

@@ -1,7 +1,5 @@
 // NovoGrad on CPU tensors: the cpu traversal over novograd_math.h. The per-tensor second moment
 // (already blended, in norm form) arrives as v_norm, one entry per tensor.
-#include <cmath>
-
 #include "../kernels.h"
 #include "../multi_tensor/cpu_apply.h"
 #include "../multi_tensor/dispatch.h"
@@ -17,8 +15,8 @@ void novograd_cpu(const TensorLists& lists, const at::Tensor& v_norm, double lr,
   using namespace novograd;
   check_tensor_lists(lists, kDepth, c10::DeviceType::CPU, "novograd");
   const int64_t n = static_cast<int64_t>(lists[0].size());
-  TORCH_CHECK(v_norm.numel() == n, "novograd: v_norm needs ", n, " entries, got ", v_norm.numel());
-  TORCH_CHECK(moment_mode == 0 || moment_mode == 1, "novograd: moment_mode must be 0 or 1");
+  check_per_tensor(v_norm, lists[0].size(), "novograd", "v_norm");
+  check_moment_mode(moment_mode);
   if (n == 0 || cpu::skip_step(found_inf_t)) return;
   const double t = cpu::scalar_or(step_t, static_cast<double>(step));
   const at::Tensor vn = v_norm.to(at::kDouble).contiguous();
@@ -28,16 +26,10 @@ void novograd_cpu(const TensorLists& lists, const at::Tensor& v_norm, double lr,
       "novograd", [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        cpu::check_state_dtype<acc_t>(lists[kExpAvg], "novograd", "exp_avg");
-        const Hyper<acc_t> h{
-            static_cast<acc_t>(cpu::scalar_or(lr_t, lr)),
-            static_cast<acc_t>(beta1),
-            static_cast<acc_t>(grad_averaging ? 1.0 - beta1 : 1.0),
-            static_cast<acc_t>(eps),
-            static_cast<acc_t>(weight_decay),
-            static_cast<acc_t>(shardopt::bias_correction(beta1, t, bias_correction)),
-            static_cast<acc_t>(std::sqrt(shardopt::bias_correction(beta2, t, bias_correction))),
-            static_cast<int>(moment_mode)};
+        check_state_dtype<acc_t>(lists[kExpAvg], "novograd", "exp_avg");
+        const Hyper<acc_t> h =
+            make_hyper<acc_t>(cpu::scalar_or(lr_t, lr), beta1, beta2, eps, t, bias_correction,
+                              weight_decay, grad_averaging, moment_mode);
         const acc_t gs = static_cast<acc_t>(cpu::scalar_or(grad_scale_t, 1.0));
         auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
         auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);

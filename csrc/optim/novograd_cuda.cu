@@ -3,7 +3,7 @@
 // block turns its tensor's entry into the denominator once. Device scalars are read inside the
 // kernel.
 #include "../kernels.h"
-#include "../multi_tensor/cuda_apply.cuh"
+#include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
 #include "novograd_math.h"
 
@@ -19,8 +19,7 @@ struct NovoGradOp : cuda::OpBase {
                                    cuda::Slots<G, P, acc_t>>;
   novograd::Hyper<acc_t> h;
   const float* v_norm;
-  double beta1, beta2;
-  bool bias_correction;
+  BiasCorrection bias;
 
   struct Ctx {
     novograd::Hyper<acc_t> h;
@@ -34,13 +33,8 @@ struct NovoGradOp : cuda::OpBase {
   template <typename C>
   __device__ Ctx begin(const C& c) const {
     Ctx ctx{h, static_cast<acc_t>(cuda::value_or(grad_scale_t, 1.0)), acc_t(0)};
-    if (lr_t != nullptr) ctx.h.lr = static_cast<acc_t>(*lr_t);
-    if (step_t != nullptr) {
-      const double t = *step_t;
-      ctx.h.bc1 = static_cast<acc_t>(shardopt::bias_correction(beta1, t, bias_correction));
-      ctx.h.bc2_sqrt =
-          static_cast<acc_t>(sqrt(shardopt::bias_correction(beta2, t, bias_correction)));
-    }
+    device_lr(ctx.h);
+    device_step(ctx.h, bias);
     ctx.denom = static_cast<acc_t>(v_norm[c.tensor]) / ctx.h.bc2_sqrt + ctx.h.eps;
     return ctx;
   }
@@ -61,8 +55,7 @@ void novograd_cuda(const TensorLists& lists, const at::Tensor& v_norm, double lr
                    const OptTensor& found_inf_t) {
   using namespace novograd;
   check_tensor_lists(lists, kDepth, c10::DeviceType::CUDA, "novograd");
-  TORCH_CHECK(moment_mode == 0 || moment_mode == 1, "novograd: moment_mode must be 0 or 1, got ",
-              moment_mode);
+  check_moment_mode(moment_mode);
   if (lists[0].empty()) return;
   const at::Device device = lists[0][0].device();
   dispatch_types(
@@ -70,25 +63,13 @@ void novograd_cuda(const TensorLists& lists, const at::Tensor& v_norm, double lr
       "novograd", [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        cuda::check_state_dtype<acc_t>(lists[kExpAvg], "novograd", "exp_avg");
-        const double t = static_cast<double>(step);
+        check_state_dtype<acc_t>(lists[kExpAvg], "novograd", "exp_avg");
         NovoGradOp<Ty> op;
-        op.lr_t = cuda::device_scalar(lr_t, device, "novograd", "lr_t");
-        op.step_t = cuda::device_scalar(step_t, device, "novograd", "step_t");
-        op.grad_scale_t = cuda::device_scalar(grad_scale_t, device, "novograd", "grad_scale_t");
-        op.found_inf_t = cuda::device_scalar(found_inf_t, device, "novograd", "found_inf_t");
-        op.v_norm = cuda::per_tensor_vector(v_norm, lists[0].size(), device, "novograd", "v_norm");
-        op.h = {static_cast<acc_t>(lr),
-                static_cast<acc_t>(beta1),
-                static_cast<acc_t>(grad_averaging ? 1.0 - beta1 : 1.0),
-                static_cast<acc_t>(eps),
-                static_cast<acc_t>(weight_decay),
-                static_cast<acc_t>(shardopt::bias_correction(beta1, t, bias_correction)),
-                static_cast<acc_t>(std::sqrt(shardopt::bias_correction(beta2, t, bias_correction))),
-                static_cast<int>(moment_mode)};
-        op.beta1 = beta1;
-        op.beta2 = beta2;
-        op.bias_correction = bias_correction;
+        op.set_scalars(device, "novograd", lr_t, step_t, grad_scale_t, found_inf_t);
+        op.v_norm = per_tensor_vector(v_norm, lists[0].size(), device, "novograd", "v_norm");
+        op.h = make_hyper<acc_t>(lr, beta1, beta2, eps, static_cast<double>(step),
+                                 bias_correction, weight_decay, grad_averaging, moment_mode);
+        op.bias = {beta1, beta2, bias_correction};
         cuda::apply_elementwise(lists, op);
       });
 }

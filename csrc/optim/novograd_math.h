@@ -22,6 +22,37 @@ struct Hyper {
   int moment_mode;
 };
 
+// Stores the bias corrections of step t (host step: make_hyper; device step: the CUDA op).
+template <typename T>
+SHARDOPT_HD void set_step(Hyper<T>& h, const BiasCorrection& bias, double t) {
+  h.bc1 = static_cast<T>(bias.bc1(t));
+  h.bc2_sqrt = static_cast<T>(sqrt_of(bias.bc2(t)));
+}
+
+// Host: moment_mode is 0 or 1.
+inline void check_moment_mode(int64_t moment_mode) {
+  TORCH_CHECK(moment_mode == 0 || moment_mode == 1, "novograd: moment_mode must be 0 or 1, got ",
+              moment_mode);
+}
+
+// The hyperparameters of one call from the host arguments (in the kernel's order), with the bias
+// corrections of step t.
+template <typename T>
+Hyper<T> make_hyper(double lr, double beta1, double beta2, double eps, double t,
+                    bool bias_correction, double weight_decay, bool grad_averaging,
+                    int64_t moment_mode) {
+  Hyper<T> h{static_cast<T>(lr),
+             static_cast<T>(beta1),
+             static_cast<T>(grad_averaging ? 1.0 - beta1 : 1.0),
+             static_cast<T>(eps),
+             static_cast<T>(weight_decay),
+             T(1),
+             T(1),
+             static_cast<int>(moment_mode)};
+  set_step(h, BiasCorrection{beta1, beta2, bias_correction}, t);
+  return h;
+}
+
 // denom = v / bc2_sqrt + eps, computed once per tensor by the caller.
 template <typename T>
 SHARDOPT_HD void update(T& p, T g, T& m, T denom, const Hyper<T>& h) {

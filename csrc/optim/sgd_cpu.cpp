@@ -18,14 +18,10 @@ void sgd_cpu(const TensorLists& lists, double lr, double momentum, double dampen
       "sgd", [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        if (momentum != 0.0) cpu::check_state_dtype<acc_t>(lists[kMomentum], "sgd", "momentum_buffer");
-        const Hyper<acc_t> h{static_cast<acc_t>(cpu::scalar_or(lr_t, lr)),
-                             static_cast<acc_t>(momentum),
-                             static_cast<acc_t>(dampening),
-                             static_cast<acc_t>(weight_decay),
-                             nesterov,
-                             cpu::scalar_or(first_run_t, first_run ? 1.0 : 0.0) != 0.0,
-                             wd_after_momentum};
+        if (momentum != 0.0) check_state_dtype<acc_t>(lists[kMomentum], "sgd", "momentum_buffer");
+        const Hyper<acc_t> h = make_hyper<acc_t>(
+            cpu::scalar_or(lr_t, lr), momentum, dampening, weight_decay, nesterov,
+            cpu::scalar_or(first_run_t, first_run ? 1.0 : 0.0) != 0.0, wd_after_momentum);
         const acc_t gs = static_cast<acc_t>(scale * cpu::scalar_or(grad_scale_t, 1.0));
         auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
         auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);

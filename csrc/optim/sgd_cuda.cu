@@ -1,7 +1,7 @@
 // SGD on CUDA tensors: the cuda traversal (cuda_apply.cuh) over sgd_math.h. Device scalars are read
 // inside the kernel so a capturable step never syncs with the host.
 #include "../kernels.h"
-#include "../multi_tensor/cuda_apply.cuh"
+#include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
 #include "sgd_math.h"
 
@@ -35,7 +35,7 @@ struct SgdOp : cuda::OpBase {
   template <typename C>
   __device__ Ctx begin(const C&) const {
     Ctx ctx{h, static_cast<acc_t>(scale * cuda::value_or(grad_scale_t, 1.0))};
-    if (lr_t != nullptr) ctx.h.lr = static_cast<acc_t>(*lr_t);
+    device_lr(ctx.h);
     if (first_run_t != nullptr) ctx.h.first_run = *first_run_t != 0.f;
     return ctx;
   }
@@ -62,17 +62,13 @@ void sgd_cuda(const TensorLists& lists, double lr, double momentum, double dampe
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
         if (momentum != 0.0) {
-          cuda::check_state_dtype<acc_t>(lists[kMomentum], "sgd", "momentum_buffer");
+          check_state_dtype<acc_t>(lists[kMomentum], "sgd", "momentum_buffer");
         }
         SgdOp<Ty> op;
-        op.lr_t = cuda::device_scalar(lr_t, device, "sgd", "lr_t");
-        op.grad_scale_t = cuda::device_scalar(grad_scale_t, device, "sgd", "grad_scale_t");
-        op.found_inf_t = cuda::device_scalar(found_inf_t, device, "sgd", "found_inf_t");
-        op.first_run_t = cuda::device_scalar(first_run_t, device, "sgd", "first_run_t");
-        op.h = {static_cast<acc_t>(lr),           static_cast<acc_t>(momentum),
-                static_cast<acc_t>(dampening),    static_cast<acc_t>(weight_decay),
-                nesterov,                         first_run,
-                wd_after_momentum};
+        op.set_scalars(device, "sgd", lr_t, std::nullopt, grad_scale_t, found_inf_t);
+        op.first_run_t = device_scalar(first_run_t, device, "sgd", "first_run_t");
+        op.h = make_hyper<acc_t>(lr, momentum, dampening, weight_decay, nesterov, first_run,
+                                 wd_after_momentum);
         op.scale = scale;
         cuda::apply_elementwise(lists, op);
       });

@@ -18,6 +18,16 @@ struct Hyper {
   bool nesterov, first_run, wd_after_momentum;
 };
 
+// The hyperparameters of one call from the host arguments (in the kernel's order).
+template <typename T>
+Hyper<T> make_hyper(double lr, double momentum, double dampening, double weight_decay,
+                    bool nesterov, bool first_run, bool wd_after_momentum) {
+  return {static_cast<T>(lr),           static_cast<T>(momentum),
+          static_cast<T>(dampening),    static_cast<T>(weight_decay),
+          nesterov,                     first_run,
+          wd_after_momentum};
+}
+
 // g already carries the inverse loss scale.
 template <typename T>
 SHARDOPT_HD void update(T& p, T g, T& buf, const Hyper<T>& h) {

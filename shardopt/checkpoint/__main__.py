@@ -3,11 +3,13 @@
 import argparse
 import sys
 
+from shardopt._version import __version__
 from shardopt.checkpoint import CheckpointError, consolidate, inspect
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardopt.checkpoint")
+    parser.add_argument("--version", action="version", version=f"shardopt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="write a plain torch.optim state dict (and model)")
     c.add_argument("checkpoint")

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from shardopt import _ops
-from shardopt.optimizers.fused_optimizer import FusedOptimizer
+from shardopt.optimizers.fused_optimizer import FusedOptimizer, check_torch_flags, maximize_scale
 
 
 def adagrad_apply(
@@ -48,10 +48,16 @@ class FusedAdagrad(FusedOptimizer):
         weight_decay: weight decay coefficient.
         set_grad_none: default of ``zero_grad``'s ``set_to_none``.
         adagrad_w_mode: decoupled weight decay (applied to the update) instead of L2.
+        maximize: maximize the objective (the grad is negated in the kernel, as
+            torch.optim.Adagrad).
+        foreach, fused: accepted for torch.optim compatibility; no effect (always fused).
+        differentiable: must be False (True raises NotImplementedError).
 
     Raises:
         TypeError: a param of an unsupported dtype.
+        ValueError: a negative lr, eps or weight decay, any NaN.
         RuntimeError: sparse grads.
+        NotImplementedError: ``differentiable=True``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -69,10 +75,29 @@ class FusedAdagrad(FusedOptimizer):
         weight_decay: float = 0.0,
         set_grad_none: bool = True,
         adagrad_w_mode: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ) -> None:
-        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode)
+        check_torch_flags(
+            "FusedAdagrad",
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
+        )
+        defaults = dict(
+            lr=lr,
+            eps=eps,
+            weight_decay=weight_decay,
+            adagrad_w_mode=adagrad_w_mode,
+            maximize=maximize,
+        )
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
     def _update_group(self, group: dict, params: list, grads: list) -> None:
         (sums,) = self._state_tensors(params)
-        adagrad_apply(group, grads, params, sums, None, lr=self._lr_scalar(group))
+        scalars = maximize_scale(group, params[0].device)
+        adagrad_apply(group, grads, params, sums, None, lr=self._lr_scalar(group), **scalars)

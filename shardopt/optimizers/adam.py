@@ -11,7 +11,12 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from shardopt import _ops
-from shardopt.optimizers.fused_optimizer import FusedOptimizer, reject_amsgrad
+from shardopt.optimizers.fused_optimizer import (
+    FusedOptimizer,
+    check_torch_flags,
+    maximize_scale,
+    reject_amsgrad,
+)
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 
@@ -65,10 +70,16 @@ class FusedAdam(FusedOptimizer):
             without a host sync (CUDA-graph safe step; grads are unscaled in place).
         master_weights: keep fp32 master copies of fp16/bf16 params; the kernel updates the master
             and writes the low-precision param in the same pass.
+        maximize: maximize the objective (the kernel negates the grad, as torch.optim.Adam).
+        foreach, fused: accepted for torch.optim compatibility; no effect (always fused).
+        differentiable: must be False (True raises NotImplementedError).
 
     Raises:
         RuntimeError: ``amsgrad=True``; sparse grads; params of one group on several devices.
-        TypeError: a param of a dtype other than fp32, fp16, bf16, fp64.
+        TypeError: a param of a dtype other than fp32, fp16, bf16, fp64; a tuple passed
+            positionally into ``bias_correction`` (torch's argument order instead of Apex's).
+        ValueError: lr, eps or weight_decay negative, a beta outside [0, 1), any NaN.
+        NotImplementedError: ``differentiable=True``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -91,8 +102,20 @@ class FusedAdam(FusedOptimizer):
         set_grad_none: bool = True,
         capturable: bool = False,
         master_weights: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ) -> None:
         reject_amsgrad(amsgrad, "FusedAdam")
+        check_torch_flags(
+            "FusedAdam",
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
+        )
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,
@@ -100,6 +123,7 @@ class FusedAdam(FusedOptimizer):
             eps=eps,
             adam_w_mode=adam_w_mode,
             weight_decay=weight_decay,
+            maximize=maximize,
         )
         super().__init__(
             params,
@@ -112,6 +136,7 @@ class FusedAdam(FusedOptimizer):
     def _update_group(self, group: dict, params: list, grads: list) -> None:
         scalars = self._device_scalars(group, params[0].device)
         self._unscale_grads_in_place(grads, scalars)
+        scalars.update(maximize_scale(group, params[0].device))
         math_params, outs = self._masters(params)
         exp_avg, exp_avg_sq = self._state_tensors(params)
         adam_apply(

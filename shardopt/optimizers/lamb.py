@@ -15,9 +15,11 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from shardopt import _ops
+from shardopt.optimizers import dtensor
 from shardopt.optimizers.fused_optimizer import (
     FusedOptimizer,
     check_grad,
+    check_torch_flags,
     reject_amsgrad,
 )
 
@@ -131,10 +133,18 @@ class FusedLAMB(FusedOptimizer):
         set_grad_none: default of ``zero_grad``'s ``set_to_none``.
         max_grad_norm: clip threshold of the global grad norm; 0 disables clipping.
         use_nvlamb: apply the trust ratio even to params with zero weight decay.
+        capturable: keep lr and step on the device and take GradScaler's scale and found_inf
+            without a host sync.
+        master_weights: keep fp32 master copies of fp16/bf16 params.
+        foreach, fused: accepted for torch.optim compatibility; no effect (always fused).
+        maximize, differentiable: must be False (True raises NotImplementedError).
 
     Raises:
         RuntimeError: ``amsgrad=True``; sparse grads; params on several devices.
-        TypeError: a param of an unsupported dtype.
+        TypeError: a param of an unsupported dtype; a tuple passed positionally into
+            ``bias_correction`` (torch's argument order instead of Apex's).
+        ValueError: lr, eps, weight_decay or max_grad_norm negative, a beta outside [0, 1), NaN.
+        NotImplementedError: ``maximize=True`` or ``differentiable=True``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -161,8 +171,20 @@ class FusedLAMB(FusedOptimizer):
         *,
         capturable: bool = False,
         master_weights: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ) -> None:
         reject_amsgrad(amsgrad, type(self).__name__)
+        check_torch_flags(
+            type(self).__name__,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
+            maximize_supported=False,
+        )
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,
@@ -184,11 +206,14 @@ class FusedLAMB(FusedOptimizer):
         self._grad_scale_t: torch.Tensor | None = None
 
     def _before_step(self) -> None:
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        params = [p for p in all_params if p.grad is not None]
         if not params:
             return
         for p in params:
             check_grad(p, type(self).__name__)
+        # the global grad norm spans every group: all of them must be on one device
+        _ops.check_param_devices(all_params, type(self).__name__)
         grads = [p.grad for p in params]
         device = grads[0].device
         inv_scale = None
@@ -198,7 +223,11 @@ class FusedLAMB(FusedOptimizer):
         # max_grad_norm is read from the constructor defaults (Apex's behaviour).
         max_grad_norm = self.defaults["max_grad_norm"]
         if max_grad_norm > 0:
-            total_sq, _ = _ops.norm(grads)
+            if dtensor.any_dtensor(grads):  # the norm of the full grads: shards' sums all-reduced
+                _, per = _ops.norm(grads)
+                total_sq = dtensor.reduce_per_tensor(per, grads).sum()
+            else:
+                total_sq, _ = _ops.norm(grads)
             norm = total_sq.sqrt()
             if inv_scale is not None:
                 norm = norm * inv_scale
@@ -223,6 +252,10 @@ class FusedLAMB(FusedOptimizer):
             grad_scale_t=self._grad_scale_t.to(device),
             **scalars,
         )
+        if dtensor.any_dtensor(math_params):  # ||w||, ||u|| of the full tensors
+            n = len(math_params)
+            both = dtensor.reduce_per_tensor(torch.cat([w_sq, u_sq]), list(math_params) * 2)
+            w_sq, u_sq = both[:n], both[n:]
         lamb_stage2_apply(
             group,
             math_params,

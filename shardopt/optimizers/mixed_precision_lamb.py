@@ -7,6 +7,7 @@ unscaled inside the kernels and a found inf/nan skips the step without advancing
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -29,9 +30,16 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode, grad_averaging,
         max_grad_norm, use_nvlamb: as ``FusedLAMB``.
         reduced_precision_dtype: fp16 or bf16; params of this dtype get fp32 masters and state.
+        foreach, fused, maximize, differentiable: as ``FusedLAMB``.
+
+    Each group's lr (a per-group float, or the constructor's) becomes a device tensor, also for
+    groups added later by ``add_param_group``.
 
     Raises:
         RuntimeError: a group mixing dtypes; ``amsgrad=True``; sparse grads.
+        TypeError: a tuple passed positionally into ``step`` (torch's argument order instead of
+            Apex's).
+        ValueError: as ``FusedLAMB``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2).to(torch.bfloat16)
@@ -55,12 +63,25 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         max_grad_norm: float = 1.0,
         use_nvlamb: bool = False,
         reduced_precision_dtype: torch.dtype | None = None,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ) -> None:
         if reduced_precision_dtype not in (None, *LOW_PRECISION):
             raise ValueError(
                 f"reduced_precision_dtype must be torch.float16, torch.bfloat16 or None, got "
                 f"{reduced_precision_dtype}"
             )
+        if not isinstance(step, numbers.Real) and not torch.is_tensor(step):
+            raise TypeError(
+                f"FusedMixedPrecisionLamb: step got {step!r}, which looks like betas. Apex's "
+                "positional order is FusedMixedPrecisionLamb(params, lr, step, bias_correction, "
+                "betas, eps, ...), unlike torch.optim.Adam(params, lr, betas, eps, ...); pass "
+                "betas=... (and the other hyperparameters) by keyword"
+            )
+        self._initial_step = float(step)
         super().__init__(
             params,
             lr=lr,
@@ -75,23 +96,44 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             use_nvlamb=use_nvlamb,
             capturable=True,
             master_weights=reduced_precision_dtype is not None,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
         )
         self.reduced_precision_dtype = reduced_precision_dtype
-        for i, group in enumerate(self.param_groups):
-            dtypes = {p.dtype for p in group["params"]}
-            if len(dtypes) > 1:
-                names = ", ".join(sorted(str(d) for d in dtypes))
-                raise RuntimeError(
-                    f"FusedMixedPrecisionLamb: all params of a group must share one dtype; group "
-                    f"{i} has {names}"
-                )
-            device = group["params"][0].device if group["params"] else torch.device("cpu")
-            group["lr"] = torch.tensor(
-                float(lr if not torch.is_tensor(group["lr"]) else group["lr"]),
-                dtype=torch.float32,
-                device=device,
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As ``FusedOptimizer.add_param_group``; the group's lr (its own, else the constructor's)
+        and step (the constructor's ``step`` during construction, 0 after) become fp32 tensors on
+        the group's device, and all its params must share one dtype."""
+        index = len(self.param_groups)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        dtypes = {p.dtype for p in group["params"]}
+        if len(dtypes) > 1:
+            del self.param_groups[-1]
+            names = ", ".join(sorted(str(d) for d in dtypes))
+            raise RuntimeError(
+                f"FusedMixedPrecisionLamb: all params of a group must share one dtype; group "
+                f"{index} has {names}"
             )
-            group["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+        device = group["params"][0].device if group["params"] else torch.device("cpu")
+        lr = group["lr"]
+        if torch.is_tensor(lr):  # Apex's rule: a tensor lr is kept (moved to the device)
+            group["lr"] = lr.to(device=device, dtype=torch.float32)
+        else:
+            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
+        constructing = not hasattr(self, "reduced_precision_dtype")
+        step = self._initial_step if constructing else 0.0
+        group["step"] = torch.tensor(step, dtype=torch.float32, device=device)
+
+    def _after_load(self) -> None:
+        # lr stays a device tensor (a loaded float lr lands in a copy of the group's tensor)
+        for group in self.param_groups:
+            device = group["params"][0].device
+            if not torch.is_tensor(group["lr"]):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
 
     def _masters(self, params: list) -> tuple[list, list | None]:
         if self.reduced_precision_dtype is None or params[0].dtype != self.reduced_precision_dtype:

@@ -13,7 +13,13 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from shardopt import _ops
-from shardopt.optimizers.fused_optimizer import FusedOptimizer, reject_amsgrad
+from shardopt.optimizers import dtensor
+from shardopt.optimizers.fused_optimizer import (
+    FusedOptimizer,
+    acc_dtype,
+    check_torch_flags,
+    reject_amsgrad,
+)
 
 
 def check_norm_type(norm_type: int) -> None:
@@ -84,8 +90,9 @@ class FusedNovoGrad(FusedOptimizer):
     """NovoGrad (per-tensor second moment) with fused kernels on CPU and CUDA tensors.
 
     A drop-in replacement for ``apex.optimizers.FusedNovoGrad``. The per-tensor second moments are
-    kept as one fp32 vector per group in ``group["exp_avg_sq"]`` (Apex's layout), moved to the
-    params' device by ``load_state_dict``.
+    kept as one vector per group in ``group["exp_avg_sq"]`` (Apex's layout): fp32, or fp64 for a
+    group with fp64 params (so fp64 runs keep fp64 accuracy); ``load_state_dict`` moves it to the
+    params' device and that dtype.
 
     Args:
         params: iterable of params or of param-group dicts.
@@ -100,10 +107,15 @@ class FusedNovoGrad(FusedOptimizer):
         norm_type: 2 (L2) or 0 (infinity norm) for the per-tensor grad norm.
         init_zero: start the second moment at zero instead of the first grad norm.
         set_grad_none: default of ``zero_grad``'s ``set_to_none``.
+        foreach, fused: accepted for torch.optim compatibility; no effect (always fused).
+        maximize, differentiable: must be False (True raises NotImplementedError).
 
     Raises:
         RuntimeError: ``norm_type`` other than 0 or 2; ``amsgrad=True``; sparse grads.
-        TypeError: a param of an unsupported dtype.
+        TypeError: a param of an unsupported dtype; a tuple passed positionally into
+            ``bias_correction`` (torch's argument order instead of Apex's).
+        ValueError: lr, eps or weight_decay negative, a beta outside [0, 1), any NaN.
+        NotImplementedError: ``maximize=True`` or ``differentiable=True``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -127,8 +139,21 @@ class FusedNovoGrad(FusedOptimizer):
         norm_type: int = 2,
         init_zero: bool = False,
         set_grad_none: bool = True,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ) -> None:
         reject_amsgrad(amsgrad, "FusedNovoGrad")
+        check_torch_flags(
+            "FusedNovoGrad",
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
+            maximize_supported=False,
+        )
         check_norm_type(norm_type)
         defaults = dict(
             lr=lr,
@@ -146,13 +171,16 @@ class FusedNovoGrad(FusedOptimizer):
     def _update_group(self, group: dict, params: list, grads: list) -> None:
         device = params[0].device
         all_params = group["params"]
+        dtype = _second_moment_dtype(all_params)
         if not torch.is_tensor(group.get("exp_avg_sq")):
-            group["exp_avg_sq"] = torch.zeros(len(all_params), dtype=torch.float32, device=device)
+            group["exp_avg_sq"] = torch.zeros(len(all_params), dtype=dtype, device=device)
         index = {id(p): i for i, p in enumerate(all_params)}
         pos = torch.tensor([index[id(p)] for p in params], device=device)
         fresh = torch.tensor(["exp_avg" not in self.state[p] for p in params], device=device)
         (exp_avg,) = self._state_tensors(params)
         _, per = _ops.norm(grads, max_norm=group["norm_type"] == 0)
+        if dtensor.any_dtensor(grads):  # norms of the full grads from the shards' partial ones
+            per = dtensor.reduce_per_tensor(per, grads, "max" if group["norm_type"] == 0 else "sum")
         n = grad_norms(group["norm_type"], per.to(device))
         v = blend_second_moment(
             group["exp_avg_sq"].index_select(0, pos),
@@ -174,8 +202,18 @@ class FusedNovoGrad(FusedOptimizer):
             lr=self._lr_scalar(group),
         )
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
+    def _after_load(self) -> None:
         for group in self.param_groups:
             if torch.is_tensor(group.get("exp_avg_sq")):
-                group["exp_avg_sq"] = group["exp_avg_sq"].to(group["params"][0].device).float()
+                group["exp_avg_sq"] = group["exp_avg_sq"].to(
+                    device=group["params"][0].device, dtype=_second_moment_dtype(group["params"])
+                )
+
+
+def _second_moment_dtype(params: list) -> torch.dtype:
+    """fp64 when the group has an fp64 param, else fp32 (``acc_dtype`` over the group)."""
+    return (
+        torch.float64
+        if any(acc_dtype(p.dtype) == torch.float64 for p in params)
+        else (torch.float32)
+    )

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from shardopt import _ops
-from shardopt.optimizers.fused_optimizer import FusedOptimizer
+from shardopt.optimizers.fused_optimizer import FusedOptimizer, check_torch_flags
 
 _REQUIRED = object()
 
@@ -43,18 +43,10 @@ def sgd_apply(
     )
 
 
-def check_sgd_args(lr, momentum: float, dampening: float, weight_decay: float, nesterov: bool):
-    """torch.optim.SGD's argument checks, with its messages."""
+def check_sgd_lr(lr, owner: str) -> None:
+    """lr is required, as in torch.optim.SGD (the other checks are ``check_hyperparams``)."""
     if lr is _REQUIRED:
-        raise TypeError("FusedSGD.__init__() missing 1 required positional argument: 'lr'")
-    if not torch.is_tensor(lr) and lr < 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if momentum < 0.0:
-        raise ValueError(f"Invalid momentum value: {momentum}")
-    if weight_decay < 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        raise TypeError(f"{owner}.__init__() missing 1 required positional argument: 'lr'")
 
 
 class FusedSGD(FusedOptimizer):
@@ -73,10 +65,14 @@ class FusedSGD(FusedOptimizer):
         wd_after_momentum: apply weight decay after the momentum instead of before.
         materialize_master_grads: accepted for Apex compatibility; no effect (no masters are kept).
         set_grad_none: default of ``zero_grad``'s ``set_to_none`` (False, as Apex).
+        maximize: maximize the objective (the grad is negated in the kernel, as torch.optim.SGD).
+        foreach, fused: accepted for torch.optim compatibility; no effect (always fused).
+        differentiable: must be False (True raises NotImplementedError).
 
     Raises:
         TypeError: missing ``lr``; a param of an unsupported dtype.
-        ValueError: a negative lr, momentum or weight decay; nesterov without momentum.
+        ValueError: a negative lr, momentum or weight decay, any NaN; nesterov without momentum.
+        NotImplementedError: ``differentiable=True``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -97,8 +93,20 @@ class FusedSGD(FusedOptimizer):
         wd_after_momentum: bool = False,
         materialize_master_grads: bool = True,
         set_grad_none: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ) -> None:
-        check_sgd_args(lr, momentum, dampening, weight_decay, nesterov)
+        check_sgd_lr(lr, "FusedSGD")
+        check_torch_flags(
+            "FusedSGD",
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
+        )
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -106,14 +114,23 @@ class FusedSGD(FusedOptimizer):
             weight_decay=weight_decay,
             nesterov=nesterov,
             wd_after_momentum=wd_after_momentum,
+            maximize=maximize,
         )
         self.materialize_master_grads = materialize_master_grads
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
     def _update_group(self, group: dict, params: list, grads: list) -> None:
+        scale = -1.0 if group.get("maximize", False) else 1.0
         if group["momentum"] == 0:
             sgd_apply(
-                group, grads, params, params, None, first_run=False, lr=self._lr_scalar(group)
+                group,
+                grads,
+                params,
+                params,
+                None,
+                first_run=False,
+                lr=self._lr_scalar(group),
+                scale=scale,
             )
             return
         # torch's rule: a param without a buffer starts it from its grad this step.
@@ -131,4 +148,5 @@ class FusedSGD(FusedOptimizer):
                 None,
                 first_run=first_run,
                 lr=self._lr_scalar(group),
+                scale=scale,
             )

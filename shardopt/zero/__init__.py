@@ -1,5 +1,6 @@
 """The ZeRO sharding engine and the DistributedFused* optimizers."""
 
+from shardopt.zero.hsdp import HSDPGroups, hsdp_groups
 from shardopt.zero.optimizers import (
     DistributedFusedAdagrad,
     DistributedFusedAdam,
@@ -14,4 +15,6 @@ __all__ = [
     "DistributedFusedLAMB",
     "DistributedFusedNovoGrad",
     "DistributedFusedSGD",
+    "HSDPGroups",
+    "hsdp_groups",
 ]

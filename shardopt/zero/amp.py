@@ -44,6 +44,13 @@ class _ScalerLink:
         """The current loss scale as a device tensor (no host sync)."""
         return self.scaler._get_scale_async().to(self.device, torch.float32).reshape(1)
 
+    def unscaled(self, optimizer) -> bool:
+        """Whether ``scaler.unscale_(optimizer)`` was called in this iteration."""
+        from torch.amp.grad_scaler import OptState
+
+        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        return state is not None and state["stage"] is OptState.UNSCALED
+
     def report(self, optimizer, found_inf: torch.Tensor) -> None:
         """Hands the overflow decision to ``scaler.update()``."""
         state = self.scaler._per_optimizer_states[id(optimizer)]
@@ -67,6 +74,8 @@ class AmpClip:
         self.process_group = process_group
         self.grad_factor = grad_factor  # 1/ranks when averaging, else 1
         self.capturable = capturable
+        #: the GradScaler last handed to step() (to answer clip_grad_norm after unscale_)
+        self._scaler = None
         self.reset()
 
     def reset(self) -> None:
@@ -89,6 +98,19 @@ class AmpClip:
     def grad_norm(self) -> torch.Tensor:
         return (self.global_sumsq().sqrt() * self.grad_factor).reshape(())
 
+    def clip(self, optimizer, max_norm: float, grad_scaler=None) -> torch.Tensor:
+        """Arms clipping for the next step; the norm before clipping, unscaled when
+        ``scaler.unscale_(optimizer)`` was called (the scaler is the one given, else the one
+        the last step received), as ``torch.nn.utils.clip_grad_norm_`` returns it."""
+        self.max_norm = float(max_norm)
+        norm = self.grad_norm()
+        scaler = grad_scaler if grad_scaler is not None else self._scaler
+        if scaler is not None and scaler.is_enabled():
+            link = _ScalerLink(scaler, self.sharded.device)
+            if link.unscaled(optimizer):
+                norm = norm / link.scale().reshape(())
+        return norm
+
     def step_scalars(self, optimizer, grad_scaler, needs_grad_norm: bool) -> StepScalars:
         """The scalars of this step; reports the overflow decision to the scaler."""
         scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
@@ -103,6 +125,7 @@ class AmpClip:
         if scaler is not None or self.max_norm is not None or needs_grad_norm:
             sumsq = self.global_sumsq()
         if scaler is not None:
+            self._scaler = scaler
             link = _ScalerLink(scaler, device)
             grad_scale = grad_scale * link.scale().reciprocal()
             found_inf = (~torch.isfinite(sumsq)).float().reshape(1)

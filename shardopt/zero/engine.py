@@ -34,23 +34,25 @@ buffer (shared by every param of the key); writes through ``p.data`` bypass it a
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
-from shardopt.zero import comm
+from shardopt.zero import apex_compat, comm, sharded_params, torch_clip
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
 from shardopt.zero.sharded_params import Key, ShardedParams, ShardingConfig
 from shardopt.zero.state_io import StateIO
+from shardopt.zero.update_calls import Call, UpdateCalls
 
 FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-class DistributedOptimizer(StateIO, torch.optim.Optimizer):
+class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimizer):
     """Common engine of the ZeRO-sharded optimizers (not used directly)."""
 
     state_names: tuple[str, ...] = ()
@@ -74,14 +76,21 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         overlap_grad_sync: bool = True,
         overlap_param_sync: bool = False,
         capturable: bool = False,
+        skip_unused_params: bool = True,
+        **apex_args: Any,
     ) -> None:
         name = type(self).__name__
         comm.require_initialized(name)
+        whole_group = process_group
+        apex = apex_compat.resolve(name, process_group, apex_args)
+        process_group = apex["process_group"]
+        apex_compat.check_apex_groups(name, whole_group, process_group, redundant_process_group)
         super().__init__(params, defaults)
         check_param_dtypes(self.param_groups, name)
         if dtype != torch.float32:
             raise TypeError(
-                f"{name}: dtype (master/state dtype) must be torch.float32, got {dtype}"
+                f"{name}: dtype (master/state dtype) must be torch.float32, got {dtype} "
+                "(16-bit optimizer state is not implemented)"
             )
         for arg, value in (
             ("grad_sync_dtype", grad_sync_dtype),
@@ -107,6 +116,7 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             overlap_grad_sync=overlap_grad_sync,
             overlap_param_sync=overlap_param_sync,
             capturable=capturable,
+            skip_unused_params=skip_unused_params and not capturable,
         )
         self.sharded = ShardedParams(
             self.param_groups,
@@ -117,6 +127,8 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             owner=name,
         )
         sharded = self.sharded
+        apex_compat.check_device(name, apex["device"], sharded.device)
+        apex_compat.warn_underfilled(name, sharded.keys)
         self.rank, self.world_size = sharded.rank, sharded.world_size
         self.redundant_size = (
             comm.world_size(redundant_process_group) if redundant_process_group is not None else 1
@@ -127,11 +139,18 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         self.keys: list[Key] = sharded.keys
         for group in self.param_groups:
             group["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
+            # The state lives in shards; ``state`` names each trainable param's group step, so
+            # code that takes an empty ``state`` for "never stepped" (torch.distributed.checkpoint
+            # .state_dict fakes a step with zero ``.grad``s then) sees an initialised optimizer.
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.state[p] = {"step": group["step"]}
         self.grad_sync = GradSync(
             sharded,
             process_group=process_group,
             redundant_process_group=redundant_process_group,
             overlap=overlap_grad_sync,
+            buckets_in_flight=apex["pipeline_size"],
         )
         ranks = self.world_size * self.redundant_size
         self.amp = AmpClip(
@@ -144,6 +163,12 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         self.param_sync = ParamSync(
             sharded, process_group=process_group, overlap=overlap_param_sync
         )
+        self.update_calls = UpdateCalls(sharded)
+        self._closed = False
+        sharded_params.claim(self.params, self)
+        weakref.finalize(self, sharded_params.release, list(self.params), None)
+        # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
+        torch_clip.install()
 
     # settings read by scripts and benchmarks
     state_dtype = property(lambda self: self.config.state_dtype)
@@ -152,10 +177,22 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
     overlap_grad_sync = property(lambda self: self.config.overlap_grad_sync)
     overlap_param_sync = property(lambda self: self.config.overlap_param_sync)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only the constructor's groups: the flat layout is planned from them at construction."""
+        if "keys" in vars(self):
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support add_param_group after construction: its "
+                "flat buffers and shards are planned from the param groups when it is built; "
+                "pass every param group to the constructor (or build a new optimizer)"
+            )
+        super().add_param_group(param_group)
+
     def close(self) -> None:
         """Removes the grad hooks and finishes in-flight param sync (the optimizer is unusable)."""
         self.wait_param_sync()
         self.grad_sync.remove_hooks()
+        sharded_params.release(self.params, self)
+        self._closed = True
 
     # -- grad sync, norms, param sync --------------------------------------------------------------
 
@@ -182,18 +219,24 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         """
         return self.amp.grad_norm()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, grad_scaler=None) -> torch.Tensor:
         """Clips the grads as ``torch.nn.utils.clip_grad_norm_`` would on the full averaged grads.
 
         The coefficient ``min(1, max_norm / (norm + 1e-6))`` is folded into the kernel's grad scale
         at ``step()`` (no extra pass, no host sync); with a GradScaler the norm is taken on the
         unscaled grads inside the step. Call after the last backward and before ``step()``.
 
+        Args:
+            max_norm: the largest norm the averaged grads may have.
+            grad_scaler: the GradScaler in use, if any; only needed in the first iteration (later
+                the one ``step()`` received is known).
+
         Returns:
-            The total norm before clipping (a device scalar; loss-scaled under a GradScaler).
+            The total norm before clipping (a device scalar): of the unscaled grads after
+            ``scaler.unscale_(optimizer)``, as ``torch.nn.utils.clip_grad_norm_`` returns it,
+            else of the grads as they are (loss-scaled under a GradScaler).
         """
-        self.amp.max_norm = float(max_norm)
-        return self.grad_norm()
+        return self.amp.clip(self, max_norm, grad_scaler)
 
     def wait_param_sync(self) -> None:
         """Waits for the param all-gathers of the last step (needed only with
@@ -211,6 +254,11 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             grad_scaler: passed by ``torch.amp.GradScaler.step``; the overflow decision is the
                 same on every rank and the step is skipped everywhere on inf/nan.
         """
+        if self._closed:
+            raise RuntimeError(
+                f"{type(self).__name__}: step() after close(): the optimizer no longer syncs "
+                "grads; build a new one"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -218,6 +266,8 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
         self.wait_param_sync()
         self.sharded.refresh_masters()
         self.grad_sync.finish()
+        if self.config.skip_unused_params:
+            self.update_calls.begin(self.grad_sync.unused_params())
         scalars = self.amp.step_scalars(self, grad_scaler, self.needs_grad_norm)
         for group in self.param_groups:
             if scalars.found_inf_t is None:
@@ -225,6 +275,7 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             else:
                 group["step"].add_(1 - scalars.found_inf_t.reshape(()))
         self._update(scalars)
+        self.update_calls.end(scalars.found_inf_t)
         self.param_sync.start()
         self._end_iteration()
         return loss
@@ -259,32 +310,23 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
             return {"lr": 0.0, "lr_t": device_lr(lr, self.device)}
         return {"lr": float(lr)}
 
-    def _kernel_scalars(self, group: dict, scalars: StepScalars) -> dict[str, torch.Tensor | None]:
+    def _calls(self, key: Key, per_tensor: bool = False) -> list[Call]:
+        """This step's kernel calls over ``key`` (see Note: skipped params in update_calls.py):
+        per bucket chunk, or per fragment for rules with per-tensor norms."""
+        return self.update_calls.calls(key, per_tensor)
+
+    def _kernel_scalars(
+        self, group: dict, call: Call, scalars: StepScalars
+    ) -> dict[str, torch.Tensor | None]:
         return {
-            "step_t": group["step"].reshape(1),
+            "step_t": call.step_t(group),
             "grad_scale_t": scalars.grad_scale_t,
             "found_inf_t": scalars.found_inf_t,
         }
 
-    def _fragment_index(self, key: Key) -> torch.Tensor:
-        """Engine param index of each of this rank's fragments of ``key`` (device vector)."""
-        return self.sharded.fragment_indices[key.index]
-
     def _member_index(self, key: Key) -> torch.Tensor:
         """Engine param indices of every param of ``key`` (device vector)."""
         return self.sharded.member_indices[key.index]
-
-    def _outs(self, key: Key) -> list[torch.Tensor] | None:
-        """Per-bucket out slots of the update kernel (None when the master IS the param, so the
-        kernel updates the params in place and the all-gather runs in place)."""
-        if key.buffers.master_is_param:
-            return None
-        return key.buffers.chunks(key.buffers.sync_space)
-
-    def _fragment_outs(self, key: Key) -> list[torch.Tensor] | None:
-        if key.buffers.master_is_param:
-            return None
-        return key.buffers.fragment_outs(key.buffers.sync_space)
 
     # -- introspection and DCP -------------------------------------------------------------------
 
@@ -296,15 +338,18 @@ class DistributedOptimizer(StateIO, torch.optim.Optimizer):
                 out[name] = out.get(name, 0) + n
         return out
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The state for ``torch.distributed.checkpoint`` (collective); see
-        ``shardopt.checkpoint.dcp``. Load with ``dcp.load`` then ``load_sharded_state_dict``."""
+    def sharded_state_dict(self, model: torch.nn.Module | None = None) -> dict[str, Any]:
+        """The state as DTensors for ``torch.distributed.checkpoint``, keyed by ``model``'s FQNs
+        when given (collective); see ``shardopt.checkpoint.dcp``. Load with ``dcp.load`` then
+        ``load_sharded_state_dict``."""
         from shardopt.checkpoint.dcp import sharded_state_dict
 
-        return sharded_state_dict(self)
+        return sharded_state_dict(self, model)
 
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_sharded_state_dict(
+        self, state_dict: dict[str, Any], model: torch.nn.Module | None = None
+    ) -> None:
         """Finishes a ``torch.distributed.checkpoint.load`` into ``sharded_state_dict()``."""
         from shardopt.checkpoint.dcp import load_sharded_state_dict
 
-        load_sharded_state_dict(self, state_dict)
+        load_sharded_state_dict(self, state_dict, model)

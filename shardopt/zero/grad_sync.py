@@ -23,7 +23,7 @@ from shardopt.zero import comm
 from shardopt.zero.sharded_params import Key, ShardedParams
 
 # Reduce-scatters in flight during backward before the oldest is waited on (on the compute
-# stream, no host sync on NCCL) and its transient grad bucket released.
+# stream, no host sync on NCCL) and its transient grad bucket released; Apex's pipeline_size.
 MAX_GRAD_BUCKETS_IN_FLIGHT = 2
 
 BucketId = tuple[int, int]  # (key index, bucket index)
@@ -41,6 +41,10 @@ class Iteration:
     synced: bool = False  # every bucket reduce-scattered and waited on
     arrived: set[int] = field(default_factory=set)  # params whose synced grad has arrived
     written: set[int] = field(default_factory=set)  # params whose grads are in a live bucket
+    touched: set[int] = field(default_factory=set)  # params with a grad in this iteration
+    rounds: int = 0  # synchronised backward passes after the first (accumulated, as DDP)
+    round_closed: bool = False  # the last synchronised backward launched all its buckets
+    end_queued: bool = False  # this backward's end-of-backward callback is queued
 
 
 class GradSync:
@@ -53,8 +57,10 @@ class GradSync:
         process_group: comm.ProcessGroup | None,
         redundant_process_group: comm.ProcessGroup | None,
         overlap: bool,
+        buckets_in_flight: int = MAX_GRAD_BUCKETS_IN_FLIGHT,
     ) -> None:
         self.sharded = sharded
+        self.buckets_in_flight = buckets_in_flight
         self.process_group = process_group
         self.redundant_process_group = redundant_process_group
         self.overlap = overlap
@@ -98,13 +104,53 @@ class GradSync:
         owner = sharded.owner
         i = sharded.param_index[id(p)]
         key = sharded.param_key[i]
-        if it.synced or (self.enabled and i in it.arrived):
+        if it.synced:
             raise RuntimeError(
-                f"{owner}: param {i} got a second gradient after its bucket was synchronised in "
-                "this iteration; wrap all but the last micro-batch's backward in "
-                "optimizer.no_sync(), and call step() before the next synchronised backward"
+                f"{owner}: param {i} got a gradient after this iteration's grads were synchronised "
+                "by step(), grad_norm(), clip_grad_norm() or finish_grad_sync(); call step() (and "
+                "zero_grad()) before the next backward"
             )
         check_grad(p, owner)
+        if self.enabled and self.overlap:
+            if it.round_closed:  # a further synchronised backward: accumulate, as DDP does
+                self._next_round()
+                it = self.iteration
+            if not it.end_queued:
+                # at the end of this backward every rank launches what is left of the round,
+                # so all ranks issue the same collectives whatever grads each of them got
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                it.end_queued = True
+        self._add(p, key, i)
+        if not self.enabled:
+            return
+        it.arrived.add(i)
+        for b in sharded.param_buckets[i]:
+            it.pending[(key.index, b)] -= 1
+        if self.overlap:
+            self._launch_ready(force=False)
+
+    def _end_backward(self) -> None:
+        it = self.iteration
+        it.end_queued = False
+        if it.synced:
+            return
+        self._launch_ready(force=True)
+        it.round_closed = True
+
+    def _next_round(self) -> None:
+        """Starts another round of reduce-scatters, which add into the grad shard."""
+        it = self.iteration
+        keys = self.sharded.keys
+        it.pending = {(k.index, b.index): len(b.params) for k in keys for b in k.layout.buckets}
+        it.next_launch = 0
+        it.arrived = set()
+        it.written = set()
+        it.rounds += 1
+        it.round_closed = False
+
+    def _add(self, p: torch.Tensor, key: Key, i: int) -> None:
+        """Copies (first grad of the round) or adds ``p.grad`` into its buckets; frees it."""
+        it, sharded = self.iteration, self.sharded
         buf = key.buffers
         grad = p.grad.reshape(-1)
         first = i not in it.written
@@ -117,14 +163,8 @@ class GradSync:
                 else:
                     dst.add_(src)
         it.written.add(i)
+        it.touched.add(i)
         p.grad = None
-        if not self.enabled:
-            return
-        it.arrived.add(i)
-        for b in sharded.param_buckets[i]:
-            it.pending[(key.index, b)] -= 1
-        if self.overlap:
-            self._launch_ready(force=False)
 
     def _launch_ready(self, force: bool) -> None:
         """Launches reduce-scatters strictly in bucket order, up to the first incomplete one."""
@@ -137,7 +177,7 @@ class GradSync:
             it.next_launch += 1
             if not force:
                 # bound the transient grad memory; the step waits for the rest
-                while it.next_wait < len(it.handles) - MAX_GRAD_BUCKETS_IN_FLIGHT:
+                while it.next_wait < len(it.handles) - self.buckets_in_flight:
                     it.handles[it.next_wait].wait()
                     it.next_wait += 1
 
@@ -160,9 +200,12 @@ class GradSync:
             if holes:
                 torch._foreach_zero_(holes)
         buf.release_grad_bucket(bi)
-        return comm.reduce_scatter(
-            buf.shard_of_bucket(buf.grad_shard, bucket), grads, self.process_group
-        )
+        shard = buf.shard_of_bucket(buf.grad_shard, bucket)
+        if not self.iteration.rounds:
+            return comm.reduce_scatter(shard, grads, self.process_group)
+        partial = torch.empty_like(shard)  # a later round adds to the earlier rounds' sum
+        handle = comm.reduce_scatter(partial, grads, self.process_group)
+        return comm.Handle(None, after=lambda: (handle.wait(), shard.add_(partial)))
 
     def finish(self) -> None:
         """Launches the buckets not yet reduce-scattered and waits for all of this iteration's
@@ -182,6 +225,19 @@ class GradSync:
             for key in self.sharded.keys:
                 comm.all_reduce(key.buffers.grad_shard, self.redundant_process_group)
         it.synced = True
+
+    def unused_params(self) -> frozenset[int]:
+        """Params no rank computed a grad for in this iteration (see Note: skipped params in
+        update_calls.py): one all-reduce of a flag per param and a host sync. Collective."""
+        n = len(self.sharded.params)
+        flags = torch.zeros(n, dtype=torch.float32)
+        if self.iteration.touched:
+            flags[list(self.iteration.touched)] = 1.0
+        flags = flags.to(self.sharded.device)
+        comm.all_reduce(flags, self.process_group, op="max")
+        if self.redundant_process_group is not None:
+            comm.all_reduce(flags, self.redundant_process_group, op="max")
+        return frozenset((flags == 0).nonzero().flatten().tolist())
 
     def _stray_grad_message(self, p: torch.Tensor) -> str:
         owner = self.sharded.owner

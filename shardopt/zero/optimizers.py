@@ -13,10 +13,14 @@ import torch
 
 from shardopt.optimizers.adagrad import adagrad_apply
 from shardopt.optimizers.adam import adam_apply
-from shardopt.optimizers.fused_optimizer import reject_amsgrad
+from shardopt.optimizers.fused_optimizer import (
+    check_hyperparams,
+    check_torch_flags,
+    reject_amsgrad,
+)
 from shardopt.optimizers.lamb import clip_scale, lamb_stage1_apply, lamb_stage2_apply
 from shardopt.optimizers.novograd import blend_second_moment, check_norm_type
-from shardopt.optimizers.sgd import _REQUIRED, check_sgd_args, sgd_apply
+from shardopt.optimizers.sgd import _REQUIRED, check_sgd_lr, sgd_apply
 from shardopt.zero import comm
 from shardopt.zero.amp import StepScalars
 from shardopt.zero.engine import DistributedOptimizer
@@ -35,10 +39,29 @@ ZERO_ARGS_DOC = """
         overlap_grad_sync: start a bucket's reduce-scatter during backward once its grads are in.
         overlap_param_sync: leave the param all-gathers in flight after step() and wait for them
             just before the next module forward.
+        skip_unused_params: skip params no rank computed a grad for, as torch.optim under
+            DDP(find_unused_parameters=True) does (one small all-reduce and a host sync per
+            step); False updates them with a zero grad (no sync). Off under ``capturable``.
         capturable: the step may be captured in a CUDA graph (with the forward and backward):
             no host sync, every collective joined before step() returns, lr may be a device
             tensor; needs overlap_param_sync=False and no GradScaler.
+        foreach, fused: accepted for torch.optim compatibility; no effect.
+        maximize, differentiable: must be False (True raises NotImplementedError).
+
+    Hyperparameters are checked as by the single-process classes (``check_hyperparams``).
+    ``add_param_group`` after construction raises NotImplementedError: the flat buffers and shards
+    are planned from the param groups at construction.
 """
+
+_TORCH_FLAGS = ("maximize", "foreach", "fused", "differentiable")
+
+
+def _check_args(owner: str, defaults: dict, zero_args: dict) -> None:
+    """The single-process classes' argument checks; takes torch.optim's common flags out of
+    ``zero_args`` (the engine's keyword arguments)."""
+    flags = {k: zero_args.pop(k) for k in _TORCH_FLAGS if k in zero_args}
+    check_torch_flags(owner, maximize_supported=False, **flags)
+    check_hyperparams(defaults, owner)
 
 
 class DistributedFusedAdam(DistributedOptimizer):
@@ -77,22 +100,24 @@ class DistributedFusedAdam(DistributedOptimizer):
             adam_w_mode=adam_w_mode,
             weight_decay=weight_decay,
         )
+        _check_args(type(self).__name__, defaults, zero_args)
         super().__init__(params, defaults, **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
         for key in self.keys:
             group, buf = self.param_groups[key.group_index], key.buffers
-            adam_apply(
-                group,
-                buf.per_bucket(buf.grad_shard),
-                buf.per_bucket(buf.master),
-                buf.per_bucket(buf.state["exp_avg"]),
-                buf.per_bucket(buf.state["exp_avg_sq"]),
-                self._outs(key),
-                step=0,
-                **self._lr(group),
-                **self._kernel_scalars(group, scalars),
-            )
+            for call in self._calls(key):
+                adam_apply(
+                    group,
+                    call.of(buf.grad_shard),
+                    call.of(buf.master),
+                    call.of(buf.state["exp_avg"]),
+                    call.of(buf.state["exp_avg_sq"]),
+                    call.outs(),
+                    step=0,
+                    **self._lr(group),
+                    **self._kernel_scalars(group, call, scalars),
+                )
 
 
 class DistributedFusedSGD(DistributedOptimizer):
@@ -115,7 +140,7 @@ class DistributedFusedSGD(DistributedOptimizer):
         wd_after_momentum: bool = False,
         **zero_args,
     ) -> None:
-        check_sgd_args(lr, momentum, dampening, weight_decay, nesterov)
+        check_sgd_lr(lr, type(self).__name__)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -124,6 +149,7 @@ class DistributedFusedSGD(DistributedOptimizer):
             nesterov=nesterov,
             wd_after_momentum=wd_after_momentum,
         )
+        _check_args(type(self).__name__, defaults, zero_args)
         super().__init__(params, defaults, **zero_args)
         #: per group, 1 once the momentum buffers hold a momentum (a device flag: the first step
         #: may be skipped by a GradScaler, and reading that on the host would sync)
@@ -136,18 +162,21 @@ class DistributedFusedSGD(DistributedOptimizer):
         for key in self.keys:
             gi = key.group_index
             group, buf = self.param_groups[gi], key.buffers
-            sgd_apply(
-                group,
-                buf.per_bucket(buf.grad_shard),
-                buf.per_bucket(buf.master),
-                buf.per_bucket(buf.state["momentum_buffer"]),
-                self._outs(key),
-                first_run=False,
-                first_run_t=first_run[gi],
-                **self._lr(group),
-                grad_scale_t=scalars.grad_scale_t,
-                found_inf_t=scalars.found_inf_t,
-            )
+            for call in self._calls(key):
+                # params that skipped steps start their momentum at their own first update
+                first = (call.step_t(group) <= 1).float() if call.offset else first_run[gi]
+                sgd_apply(
+                    group,
+                    call.of(buf.grad_shard),
+                    call.of(buf.master),
+                    call.of(buf.state["momentum_buffer"]),
+                    call.outs(),
+                    first_run=False,
+                    first_run_t=first,
+                    **self._lr(group),
+                    grad_scale_t=scalars.grad_scale_t,
+                    found_inf_t=scalars.found_inf_t,
+                )
         for started in self._momentum_started:
             if scalars.found_inf_t is None:
                 started.fill_(1.0)
@@ -177,21 +206,23 @@ class DistributedFusedAdagrad(DistributedOptimizer):
         **zero_args,
     ) -> None:
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode)
+        _check_args(type(self).__name__, defaults, zero_args)
         super().__init__(params, defaults, **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
         for key in self.keys:
             group, buf = self.param_groups[key.group_index], key.buffers
-            adagrad_apply(
-                group,
-                buf.per_bucket(buf.grad_shard),
-                buf.per_bucket(buf.master),
-                buf.per_bucket(buf.state["sum"]),
-                self._outs(key),
-                **self._lr(group),
-                grad_scale_t=scalars.grad_scale_t,
-                found_inf_t=scalars.found_inf_t,
-            )
+            for call in self._calls(key):
+                adagrad_apply(
+                    group,
+                    call.of(buf.grad_shard),
+                    call.of(buf.master),
+                    call.of(buf.state["sum"]),
+                    call.outs(),
+                    **self._lr(group),
+                    grad_scale_t=scalars.grad_scale_t,
+                    found_inf_t=scalars.found_inf_t,
+                )
 
 
 class DistributedFusedLAMB(DistributedOptimizer):
@@ -233,6 +264,7 @@ class DistributedFusedLAMB(DistributedOptimizer):
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
         )
+        _check_args(type(self).__name__, defaults, zero_args)
         super().__init__(params, defaults, **zero_args)
         # the global grad norm is only needed to clip (max_grad_norm=0: no clipping, no norm pass)
         self.needs_grad_norm = max_grad_norm > 0
@@ -248,37 +280,37 @@ class DistributedFusedLAMB(DistributedOptimizer):
         staged = []
         for key in self.keys:
             group, buf = self.param_groups[key.group_index], key.buffers
-            if not buf.fragments:
-                continue
-            masters = buf.per_fragment(buf.master)
-            exp_avg = buf.per_fragment(buf.state["exp_avg"])
-            exp_avg_sq = buf.per_fragment(buf.state["exp_avg_sq"])
-            step_t = group["step"].reshape(1)
-            w_sq, u_sq = lamb_stage1_apply(
-                group,
-                buf.per_fragment(buf.grad_shard),
-                masters,
-                exp_avg,
-                exp_avg_sq,
-                step=0,
-                grad_scale_t=grad_scale_t,
-                step_t=step_t,
-                found_inf_t=scalars.found_inf_t,
-            )
-            index = self._fragment_index(key)
-            sums[:n].index_add_(0, index, w_sq.to(self.device, torch.float32))
-            sums[n:].index_add_(0, index, u_sq.to(self.device, torch.float32))
-            staged.append((key, group, masters, exp_avg, exp_avg_sq, step_t, index))
+            for call in self._calls(key, per_tensor=True):
+                if not call.shard_ranges:
+                    continue
+                masters = call.of(buf.master)
+                exp_avg = call.of(buf.state["exp_avg"])
+                exp_avg_sq = call.of(buf.state["exp_avg_sq"])
+                step_t = call.step_t(group)
+                w_sq, u_sq = lamb_stage1_apply(
+                    group,
+                    call.of(buf.grad_shard),
+                    masters,
+                    exp_avg,
+                    exp_avg_sq,
+                    step=0,
+                    grad_scale_t=grad_scale_t,
+                    step_t=step_t,
+                    found_inf_t=scalars.found_inf_t,
+                )
+                sums[:n].index_add_(0, call.index, w_sq.to(self.device, torch.float32))
+                sums[n:].index_add_(0, call.index, u_sq.to(self.device, torch.float32))
+                staged.append((call, group, masters, exp_avg, exp_avg_sq, step_t))
         comm.all_reduce(sums, self.process_group)
-        for key, group, masters, exp_avg, exp_avg_sq, step_t, index in staged:
+        for call, group, masters, exp_avg, exp_avg_sq, step_t in staged:
             lamb_stage2_apply(
                 group,
                 masters,
                 exp_avg,
                 exp_avg_sq,
-                self._fragment_outs(key),
-                sums[:n].index_select(0, index),
-                sums[n:].index_select(0, index),
+                call.outs(),
+                sums[:n].index_select(0, call.index),
+                sums[n:].index_select(0, call.index),
                 **self._lr(group),
                 step=0,
                 step_t=step_t,
@@ -323,6 +355,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             norm_type=norm_type,
             init_zero=init_zero,
         )
+        _check_args(type(self).__name__, defaults, zero_args)
         super().__init__(params, defaults, **zero_args)
         self.second_moment = torch.zeros(len(self.params), dtype=torch.float32, device=self.device)
 
@@ -333,28 +366,35 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
         n = len(self.params)
         sums = torch.zeros(n, dtype=torch.float32, device=self.device)
         maxes = torch.zeros(n, dtype=torch.float32, device=self.device)
+        calls = {key.index: self._calls(key, per_tensor=True) for key in self.keys}
         for key in self.keys:
             group, buf = self.param_groups[key.group_index], key.buffers
-            if not buf.fragments:
-                continue
             inf_norm = group["norm_type"] == 0
-            _, per = _ops.norm(buf.per_fragment(buf.grad_shard), max_norm=inf_norm)
-            index = self._fragment_index(key)
-            per = per.to(self.device, torch.float32)
-            if inf_norm:
-                maxes.scatter_reduce_(0, index, per, reduce="amax")
-            else:
-                sums.index_add_(0, index, per)
+            for call in calls[key.index]:
+                if not call.shard_ranges:
+                    continue
+                _, per = _ops.norm(call.of(buf.grad_shard), max_norm=inf_norm)
+                per = per.to(self.device, torch.float32)
+                if inf_norm:
+                    maxes.scatter_reduce_(0, call.index, per, reduce="amax")
+                else:
+                    sums.index_add_(0, call.index, per)
         comm.all_reduce(sums, self.process_group)
         comm.all_reduce(maxes, self.process_group, op="max")
         scale = scalars.grad_scale_t.abs()
+        # see Note: skipped params: a param's own step, and no change for a skipped one
+        offsets = self.update_calls.step_offsets()
+        unused = self.update_calls.unused
         for key in self.keys:
             group, buf = self.param_groups[key.group_index], key.buffers
             members = self._member_index(key)
             raw = maxes if group["norm_type"] == 0 else sums.sqrt()
             norms = raw.index_select(0, members) * scale
             old = self.second_moment.index_select(0, members)
-            fresh = (group["step"] == 1).expand_as(norms)
+            own_step = group["step"].reshape(1)
+            if offsets is not None:
+                own_step = own_step - offsets.index_select(0, members)
+            fresh = (own_step == 1).expand_as(norms)
             new = blend_second_moment(
                 old,
                 norms,
@@ -365,21 +405,26 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             )
             if scalars.found_inf_t is not None:
                 new = torch.where(scalars.found_inf_t.bool(), old, new)
+            if unused:
+                used = torch.tensor(
+                    [i not in unused for i in key.layout.params], device=self.device
+                )
+                new = torch.where(used, new, old)
             self.second_moment.index_copy_(0, members, new)
-            if not buf.fragments:
-                continue
-            index = self._fragment_index(key)
-            novograd_apply(
-                group,
-                buf.per_fragment(buf.grad_shard),
-                buf.per_fragment(buf.master),
-                buf.per_fragment(buf.state["exp_avg"]),
-                self._fragment_outs(key),
-                self.second_moment.index_select(0, index),
-                step=0,
-                **self._lr(group),
-                **self._kernel_scalars(group, scalars),
-            )
+            for call in calls[key.index]:
+                if not call.shard_ranges:
+                    continue
+                novograd_apply(
+                    group,
+                    call.of(buf.grad_shard),
+                    call.of(buf.master),
+                    call.of(buf.state["exp_avg"]),
+                    call.outs(),
+                    self.second_moment.index_select(0, call.index),
+                    step=0,
+                    **self._lr(group),
+                    **self._kernel_scalars(group, call, scalars),
+                )
 
     def _extra_group_state(self, group_index: int) -> dict:
         group = self.param_groups[group_index]

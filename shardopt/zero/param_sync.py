@@ -33,9 +33,13 @@ class ParamSync:
         self.pending: dict[BucketId, comm.Handle] = {}
         self._forward_hook = None
         self._module_buckets: dict[int, list[BucketId]] = {}
+        self._watch_hook = self._watch_modules() if overlap else None
 
     def start(self) -> None:
         """All-gathers every bucket; waits unless overlapping with the next forward."""
+        if self._watch_hook is not None:
+            self._watch_hook.remove()
+            self._watch_hook = None
         pending: dict[BucketId, comm.Handle] = {}
         for key in self.sharded.keys:
             buf = key.buffers
@@ -103,6 +107,30 @@ class ParamSync:
                     found += [(ki, b) for b in sharded.param_buckets[i] if (ki, b) not in found]
             self._module_buckets[id(module)] = found
         return found
+
+    def _watch_modules(self):
+        """Until the first step, notes every module that runs a forward with params of this
+        optimizer and gives it a state-dict pre-hook that waits for its buckets, so
+        ``model.state_dict()`` sees the new values with overlap too."""
+        ref = weakref.ref(self)
+
+        def wait_in_state_dict(module, prefix, keep_vars):
+            sync = ref()
+            if sync is not None:
+                for bucket_id in sync._buckets_of(module):
+                    sync._finish_bucket(bucket_id)
+
+        seen: set[int] = set()
+
+        def watch(module, args):
+            sync = ref()
+            if sync is None or id(module) in seen:
+                return
+            seen.add(id(module))
+            if sync._buckets_of(module):
+                module.register_state_dict_pre_hook(wait_in_state_dict)
+
+        return torch.nn.modules.module.register_module_forward_pre_hook(watch)
 
     def _install_forward_wait(self) -> None:
         if self._forward_hook is not None:

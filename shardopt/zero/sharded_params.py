@@ -8,6 +8,7 @@ writes straight into them; frozen params get no buckets and no state.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,33 @@ from shardopt.zero.flat_buffer import KeyBuffers
 from shardopt.zero.layout import KeyLayout, Range, plan_key
 
 ALIGN_BYTES = 128
+
+# param id -> the distributed optimizer that shards it (a param is a view of one optimizer's
+# buffer; a second optimizer would silently break the first). Keyed by id, not stored on the
+# param, so copies of a model (copy.deepcopy) do not inherit it.
+_OWNERS: dict[int, weakref.ref] = {}
+
+
+def owner_of(p: torch.Tensor):
+    """The live distributed optimizer sharding ``p``, or None."""
+    ref = _OWNERS.get(id(p))
+    owner = ref() if ref is not None else None
+    if owner is None or not any(q is p for q in owner.all_params):
+        return None
+    return owner
+
+
+def claim(params: list[torch.Tensor], owner) -> None:
+    ref = weakref.ref(owner)
+    for p in params:
+        _OWNERS[id(p)] = ref
+
+
+def release(params: list[torch.Tensor], owner) -> None:
+    for p in params:
+        ref = _OWNERS.get(id(p))
+        if ref is not None and ref() in (owner, None):
+            del _OWNERS[id(p)]
 
 
 @dataclass
@@ -45,6 +73,7 @@ class ShardingConfig:
     overlap_grad_sync: bool
     overlap_param_sync: bool
     capturable: bool
+    skip_unused_params: bool
 
     def describe(self) -> tuple:
         return tuple(str(v) for v in self.__dict__.values())
@@ -85,6 +114,21 @@ class ShardedParams:
                 raise TypeError(
                     f"{owner} supports float32, float16 and bfloat16 params; use FusedAdam etc. "
                     "for float64"
+                )
+        seen: dict[int, int] = {}
+        for i, p in enumerate(self.all_params):
+            if id(p) in seen:
+                raise ValueError(
+                    f"{owner}: param {i} is the same tensor as param {seen[id(p)]}; pass each "
+                    "param once (tied params are one param)"
+                )
+            seen[id(p)] = i
+            other = owner_of(p)
+            if other is not None:
+                raise ValueError(
+                    f"{owner}: param {i} {tuple(p.shape)} already belongs to another distributed "
+                    f"optimizer ({type(other).__name__}); a param can be sharded by one optimizer "
+                    "only (close() the other one first)"
                 )
         self.params: list[torch.Tensor] = [p for p in self.all_params if p.requires_grad]
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
@@ -213,6 +257,7 @@ class ShardedParams:
                 continue
             for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
                 master.copy_(buf.fragment_param_view(self.params[f.param].data, f))
+        self._view_ptrs = [v.data_ptr() for v in self.views]
         self.note_params_published()
 
     # -- params changed after construction (see Note: the params are the truth) ------------------
@@ -227,9 +272,10 @@ class ShardedParams:
         device (``p.data = ...``, a framework's prepare step); returns their indices. Raises,
         naming the param, when a param can no longer be a view of its buffer."""
         rebound = []
-        for i, (p, view) in enumerate(zip(self.params, self.views)):
-            if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
+        for i, (p, ptr) in enumerate(zip(self.params, self._view_ptrs)):
+            if p.data_ptr() == ptr:  # the hot path: one call per param
                 continue
+            view = self.views[i]
             if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
                 raise RuntimeError(
                     f"{self.owner}: param {self.all_index[i]} was replaced after the optimizer "

@@ -24,6 +24,7 @@ from shardopt.zero import comm
 from shardopt.zero.layout import Range
 
 MASTER = "master_param"
+PARAM_STEPS = "param_steps"  # own step of each param of a group, when some were skipped
 
 
 @dataclass
@@ -77,8 +78,20 @@ class StateIO:
             saved["step"] = int(group["step"].item())
             saved["params"] = [ids[id(p)] for p in group["params"]]
             saved.update(self._extra_group_state(gi))
+            offsets = [self._offset(p) for p in group["params"]]
+            if any(offsets):  # see Note: skipped params in update_calls.py
+                saved[PARAM_STEPS] = [saved["step"] - o for o in offsets]
             groups.append(saved)
         return groups
+
+    def _offset(self, p: torch.Tensor) -> int:
+        i = self.sharded.param_index.get(id(p))
+        return 0 if i is None else self.update_calls.offsets[i]
+
+    def _set_own_step(self, p: torch.Tensor, group_step: float, own_step: float) -> None:
+        i = self.sharded.param_index.get(id(p))
+        if i is not None:
+            self.update_calls.offsets[i] = max(0, int(group_step - own_step))
 
     @torch.no_grad()
     def import_param_groups(self, groups: list[dict[str, Any]]) -> None:
@@ -88,9 +101,13 @@ class StateIO:
         extras = set(self._extra_group_state(0)) if self.param_groups else set()
         for gi, (group, saved) in enumerate(zip(self.param_groups, groups)):
             for k, v in saved.items():
-                if k not in ("params", "step") and k not in extras:
+                if k not in ("params", "step", PARAM_STEPS) and k not in extras:
                     set_group_value(group, k, v)
-            group["step"].fill_(float(saved.get("step", 0)))  # in place: keeps a captured binding
+            step = float(saved.get("step", 0))
+            group["step"].fill_(step)  # in place: keeps a captured binding
+            own = saved.get(PARAM_STEPS, [step] * len(group["params"]))
+            for p, own_step in zip(group["params"], own):
+                self._set_own_step(p, step, float(own_step))
             self._load_extra_group_state(gi, saved)
 
     def publish_masters(self) -> None:
@@ -151,14 +168,15 @@ class StateIO:
                         )
         groups = self.export_param_groups()
         for saved in groups:
-            for pid in saved["params"]:
+            own = saved.pop(PARAM_STEPS, [saved["step"]] * len(saved["params"]))
+            for pid, own_step in zip(saved["params"], own):
                 entry = state.get(pid)
                 if entry is None:
                     continue
                 shape = self.all_params[pid].shape
                 for name in list(entry):
                     entry[name] = entry[name].view(shape)
-                entry["step"] = torch.tensor(float(saved["step"]))
+                entry["step"] = torch.tensor(float(own_step))
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
@@ -184,13 +202,16 @@ class StateIO:
                             f"{name}: state '{key_name}' of param {pid} has {value.numel()} "
                             f"elements, the param has {p.numel()}"
                         )
-            if "step" not in sg:  # torch.optim keeps the step per param
-                steps = [
-                    float(saved_state[pid]["step"])
-                    for pid in sg["params"]
-                    if "step" in saved_state.get(pid, {})
-                ]
-                sg["step"] = max(steps) if steps else 0.0
+            # torch.optim keeps the step per param (none: never updated): the group's is the
+            # largest, a param's own step below it counts the steps it was skipped
+            steps = [
+                float(saved_state[pid].get("step", -1)) if pid in saved_state else 0.0
+                for pid in sg["params"]
+            ]
+            if "step" not in sg:
+                sg["step"] = max(steps + [0.0])
+            if PARAM_STEPS not in sg:
+                sg[PARAM_STEPS] = [s if s >= 0 else sg["step"] for s in steps]
         for frag in self.shard_fragments():
             p = self.all_params[frag.param]
             entry = saved_state.get(saved_id[id(p)], {})

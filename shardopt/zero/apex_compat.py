@@ -1,0 +1,177 @@
+"""Apex ``DistributedFusedAdam``'s constructor and method surface on the distributed optimizers.
+
+Apex scripts switch by changing the import: its keyword arguments are accepted with Apex's
+defaults and meanings where shardopt has the same mechanism, mapped where shardopt has an
+equivalent one, and refused with a ``NotImplementedError`` that names the argument where the
+meaning cannot be kept. See docs/migration.md ("From Apex").
+
+Mapping (Apex argument -> shardopt):
+  - ``process_group`` + ``distributed_process_group``: Apex's ``process_group`` is the whole
+    group (shards x replicas) and ``distributed_process_group`` the sharding group; given the
+    latter, it shards the state and the former must have ``distributed x redundant`` ranks;
+  - ``pipeline_size`` (2): grad-bucket reduce-scatters in flight during backward;
+  - ``contiguous_param_buffer``: params are always views of one flat buffer per key (Apex's
+    True); False is accepted (no setting keeps separate param storage);
+  - ``contiguous_grad_buffer``: grads always go through transient per-bucket buffers (less
+    memory than either Apex mode); both values are accepted;
+  - ``store_params`` (True): fp32 params gathered in fp32 never keep a separate master (Apex's
+    False); low-precision params always keep an fp32 master (Apex's True); both accepted;
+  - ``store_param_remainders``, ``with_scaled_states``: refused (not implemented);
+  - ``nccl_ub``: False accepted; True needs NCCL user-buffer registration through torch's NCCL
+    memory pool, refused with the reason;
+  - ``device``: must be the params' device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from shardopt.zero import comm
+
+#: Apex keyword -> its default (every one accepted by the distributed classes)
+APEX_DEFAULTS: dict[str, Any] = {
+    "distributed_process_group": None,
+    "device": None,
+    "pipeline_size": 2,
+    "contiguous_param_buffer": False,
+    "contiguous_grad_buffer": False,
+    "store_params": True,
+    "store_param_remainders": False,
+    "with_scaled_states": False,
+    "nccl_ub": False,
+}
+
+#: below this share of bucket space holding params, construction warns (Apex's threshold)
+BUCKET_FILL_WARNING = 0.7
+
+
+def resolve(owner: str, process_group, apex: dict[str, Any]) -> dict[str, Any]:
+    """Validates the Apex keywords; returns ``process_group`` (the sharding group) and
+    ``pipeline_size`` for the engine."""
+    unknown = set(apex) - set(APEX_DEFAULTS)
+    if unknown:
+        raise TypeError(f"{owner}.__init__() got unexpected keyword arguments {sorted(unknown)}")
+    opts = {**APEX_DEFAULTS, **apex}
+    for name in ("store_param_remainders", "with_scaled_states"):
+        if opts[name]:
+            raise NotImplementedError(
+                f"{owner}: {name}=True is not implemented; the fp32 master and fp32 state are "
+                "kept (see memory_bytes() for what this optimizer holds)"
+            )
+    if opts["nccl_ub"]:
+        raise NotImplementedError(
+            f"{owner}: nccl_ub=True (NCCL user-buffer registration) is not implemented: the "
+            "grad buckets are transient, not carved from one registered pool; use nccl_ub=False"
+        )
+    pipeline = opts["pipeline_size"]
+    if not isinstance(pipeline, int) or pipeline < 1:
+        raise ValueError(f"{owner}: pipeline_size must be a positive int, got {pipeline!r}")
+    shard_group = process_group
+    distributed = opts["distributed_process_group"]
+    if distributed is not None:
+        shard_group = distributed
+    return {"process_group": shard_group, "pipeline_size": pipeline, "device": opts["device"]}
+
+
+def check_apex_groups(owner: str, whole, shard, redundant) -> None:
+    """With Apex's ``distributed_process_group``, ``process_group`` is shards x replicas."""
+    if whole is None or whole is shard:
+        return
+    expected = comm.world_size(shard) * (comm.world_size(redundant) if redundant else 1)
+    if comm.world_size(whole) != expected:
+        raise ValueError(
+            f"{owner}: process_group has {comm.world_size(whole)} ranks, but "
+            f"distributed_process_group x redundant_process_group is {expected}"
+        )
+
+
+def check_device(owner: str, device, params_device: torch.device) -> None:
+    if device is None:
+        return
+    wanted = torch.device(device)
+    same = wanted.type == params_device.type and (
+        wanted.index is None or wanted.index == params_device.index
+    )
+    if not same:
+        raise ValueError(
+            f"{owner}: device={device!r} but the params are on {params_device}; move the model "
+            "first"
+        )
+
+
+def warn_underfilled(owner: str, keys) -> None:
+    """Apex's warning when less than 70% of bucket space holds params. Buckets here are filled
+    back to back, so what is left is alignment (many tiny params) and padding to a multiple of
+    the world size; it costs memory in every grad bucket, grad shard and state shard."""
+    used = sum(sum(r.numel for r in k.layout.space_ranges.values()) for k in keys)
+    total = sum(b.numel for k in keys for b in k.layout.buckets)
+    if total and used / total < BUCKET_FILL_WARNING:
+        warnings.warn(
+            f"{owner}: only {100 * used / total:.1f}% of bucket space holds params (the rest is "
+            "alignment of small params and padding to the world size); consider decreasing "
+            "bucket_cap_mb if the padding is in the last bucket, or grouping tiny params",
+            stacklevel=3,
+        )
+
+
+class ApexSurface:
+    """Mixin of ``DistributedOptimizer``: Apex's methods over shardopt's eager layout."""
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """Every param of the optimizer, in param-group order (Apex's ``parameters()``)."""
+        yield from self.all_params
+
+    def init_params(
+        self,
+        params: Iterable[torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
+        grad_sync_dtype: torch.dtype | None = None,
+        param_sync_dtype: torch.dtype | None = None,
+        **kwargs,
+    ) -> None:
+        """Apex's explicit initialisation. shardopt plans every param at construction (in
+        registration order, reversed into buckets), so this only checks that ``params`` belong
+        to the optimizer and that the dtypes asked for are the ones in use."""
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        chosen = list(params) if params is not None else self.all_params
+        self._check_init(chosen, "init_params")
+        owner = type(self).__name__
+        config = self.config
+        for p in chosen:
+            in_use = {
+                "dtype": config.state_dtype,
+                "grad_sync_dtype": config.grad_sync_dtype_for(p.dtype),
+                "param_sync_dtype": config.param_sync_dtype or p.dtype,
+            }
+            asked = {"dtype": dtype, "grad_sync_dtype": grad_sync_dtype}
+            asked["param_sync_dtype"] = param_sync_dtype
+            for name, value in asked.items():
+                if value is not None and value != in_use[name]:
+                    raise NotImplementedError(
+                        f"{owner}.init_params: {name}={value} differs from the {in_use[name]} "
+                        "in use; shardopt sets dtypes per optimizer, not per param"
+                    )
+
+    def init_params_bucket(self, params: Iterable[torch.Tensor]) -> None:
+        """Apex's bucket-aligned initialisation: checks the params belong to the optimizer
+        (the layout is planned at construction; buckets follow registration order)."""
+        self._check_init(params, "init_params_bucket")
+
+    def _check_init(self, params, method: str) -> None:
+        if params is None:
+            return
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        params = list(params)
+        mine = {id(p) for p in self.all_params}
+        for p in params:
+            if id(p) not in mine:
+                raise ValueError(
+                    f"{type(self).__name__}.{method}: a param {tuple(p.shape)} is not one of "
+                    "this optimizer's params"
+                )

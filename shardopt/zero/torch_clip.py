@@ -1,0 +1,122 @@
+"""``torch.nn.utils.clip_grad_norm_`` on the params of a DistributedFused* optimizer.
+
+Their grads never appear in ``param.grad`` (they are reduce-scattered into the optimizer's shards
+during backward), so torch's function would find no grads, return 0 and clip nothing. ``install()``
+(called when a distributed optimizer is built) wraps ``torch.nn.utils.clip_grad_norm_`` so that:
+
+- a call whose params include params of a ``DistributedFused*`` optimizer is routed to
+  ``optimizer.clip_grad_norm(max_norm)`` when the params are exactly that optimizer's trainable
+  params (``model.parameters()`` of the model it was built on, frozen params allowed): the norm of
+  the full averaged gradient is returned and the next ``step()`` clips, as torch would;
+- any other mix (a subset of its params, params of two optimizers, or params that have ordinary
+  ``.grad``s as well, a ``norm_type`` other than 2) raises ``RuntimeError`` instead of
+  silently clipping nothing;
+- ``clip_grad_value_`` on such params raises ``RuntimeError``.
+
+Calls without such params go to torch's function unchanged. ``error_if_nonfinite`` and
+``foreach`` are accepted; with ``error_if_nonfinite=True`` the norm is checked (a host sync).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from shardopt.zero.sharded_params import owner_of
+
+log = logging.getLogger("shardopt.integrations")
+
+_installed = False
+
+
+def _as_list(parameters) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    return list(parameters)
+
+
+def _route(params: list[torch.Tensor], what: str):
+    """The one optimizer owning ``params`` when they are exactly its trainable params; None when
+    no param has an owner; else raises."""
+    owners = [owner_of(p) for p in params]
+    if all(o is None for o in owners):
+        return None
+    distinct = {id(o): o for o in owners if o is not None}
+    if len(distinct) > 1:
+        raise RuntimeError(
+            f"{what}: the params belong to {len(distinct)} DistributedFused* optimizers; clip "
+            "each with optimizer.clip_grad_norm(max_norm)"
+        )
+    (opt,) = distinct.values()
+    name = type(opt).__name__
+    stray = [p for p, o in zip(params, owners) if o is None and p.grad is not None]
+    if stray:
+        raise RuntimeError(
+            f"{what}: some params are held by {name}, whose grads live in its shards, and "
+            f"{len(stray)} others have .grad; one norm over both is not supported: clip "
+            "them separately"
+        )
+    mine = {id(p) for p, o in zip(params, owners) if o is not None}
+    if mine != {id(p) for p in opt.params}:
+        raise RuntimeError(
+            f"{what}: the params are {len(mine)} of the {len(opt.params)} trainable params of "
+            f"{name}; it clips the norm of all its grads only (its grads are not in .grad): "
+            "pass all of them (model.parameters()) or call optimizer.clip_grad_norm(max_norm)"
+        )
+    return opt
+
+
+def clip_grad_norm_(
+    parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, *, _torch=None
+):
+    params = _as_list(parameters)
+    opt = _route(params, "torch.nn.utils.clip_grad_norm_")
+    if opt is None:
+        return _torch(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    if float(norm_type) != 2.0:
+        raise RuntimeError(
+            f"torch.nn.utils.clip_grad_norm_: {type(opt).__name__} clips by the L2 norm only, "
+            f"got norm_type={norm_type}"
+        )
+    norm = opt.clip_grad_norm(float(max_norm))
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+            "by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    return norm
+
+
+def clip_grad_value_(parameters, clip_value, foreach=None, *, _torch=None):
+    params = _as_list(parameters)
+    owners = [o for o in map(owner_of, params) if o is not None]
+    if owners:
+        raise RuntimeError(
+            f"torch.nn.utils.clip_grad_value_: params held by {type(owners[0]).__name__} have no "
+            ".grad (their grads live in its shards) and value clipping is not supported; use "
+            "clip_grad_norm_ / optimizer.clip_grad_norm(max_norm)"
+        )
+    return _torch(params, clip_value, foreach)
+
+
+def install() -> None:
+    """Wraps ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    pairs = (("clip_grad_norm_", clip_grad_norm_), ("clip_grad_value_", clip_grad_value_))
+    for name, ours in pairs:
+        original = getattr(utils, name)
+        wrapped = functools.wraps(original)(functools.partial(ours, _torch=original))
+        wrapped._shardopt_original = original
+        setattr(utils, name, wrapped)
+        if getattr(clip_grad, name, None) is original:
+            setattr(clip_grad, name, wrapped)
+    _installed = True
+    log.debug("torch.nn.utils.clip_grad_norm_ routes DistributedFused* params to the optimizer")

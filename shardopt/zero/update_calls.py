@@ -1,0 +1,148 @@
+"""Which shard elements each update-kernel call of a step covers (see Note: skipped params).
+
+Note: skipped params
+    torch.optim skips a param whose ``.grad`` is None: value, state and its own step stay as they
+    are. Under DDP(find_unused_parameters=True) that is a param no rank computed a grad for. The
+    engine learns those params from one small all-reduce per step (``GradSync.unused_params``;
+    off with ``skip_unused_params=False`` and under ``capturable``, where such params get a
+    zero-grad update) and leaves their fragments out of the kernel calls. A param's own step is
+    its group's step minus the steps it skipped (its *offset*); fragments are grouped by offset
+    so every kernel call gets one ``step_t``. When no param skipped anything (the usual case) a
+    key is updated bucket by bucket, one call over whole chunks; otherwise elementwise rules take
+    runs of adjacent fragments (alignment gaps included: zero grads and zero state stay zero)
+    and per-tensor rules (LAMB, NovoGrad) take fragments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardopt.zero.flat_buffer import KeyBuffers, Shard
+from shardopt.zero.layout import Range
+from shardopt.zero.sharded_params import Key, ShardedParams
+
+
+@dataclass
+class Call:
+    """One kernel call over a key's shard: shard ranges (each within one bucket's chunk), the
+    key-space ranges its out slot writes, and the steps its params skipped."""
+
+    buffers: KeyBuffers
+    shard_ranges: list[Range]
+    space_ranges: list[Range]
+    offset: int
+    index: torch.Tensor | None  # engine param of each range (per-tensor rules)
+
+    def of(self, shard: Shard) -> list[torch.Tensor]:
+        """The call's views of a shard (grad shard, master, a state)."""
+        return [self.buffers.shard_slice(shard, r) for r in self.shard_ranges]
+
+    def outs(self) -> list[torch.Tensor] | None:
+        """The out slot (low-precision params or another sync dtype), None when the master IS
+        the param (updated in place)."""
+        buf = self.buffers
+        if buf.master_is_param:
+            return None
+        return [buf.sync_space.narrow(0, r.start, r.numel) for r in self.space_ranges]
+
+    def step_t(self, group: dict) -> torch.Tensor:
+        """The params' own step (device tensor): the group's minus the skipped steps."""
+        step = group["step"].reshape(1)
+        return step - self.offset if self.offset else step
+
+
+class UpdateCalls:
+    """Plans each step's kernel calls and keeps every param's count of skipped steps."""
+
+    def __init__(self, sharded: ShardedParams) -> None:
+        self.sharded = sharded
+        #: engine param -> steps it was skipped (no grad on any rank)
+        self.offsets = [0] * len(sharded.params)
+        self.unused: frozenset[int] = frozenset()
+
+    @property
+    def any_skipped(self) -> bool:
+        return bool(self.unused) or any(self.offsets)
+
+    def begin(self, unused: frozenset[int]) -> None:
+        self.unused = unused
+
+    def end(self, found_inf_t: torch.Tensor | None) -> None:
+        """Counts this step as skipped for the unused params (unless the whole step was)."""
+        if not self.unused:
+            return
+        if found_inf_t is not None and bool(found_inf_t.item()):
+            return
+        for i in self.unused:
+            self.offsets[i] += 1
+
+    def step_offsets(self) -> torch.Tensor | None:
+        """Per engine param offsets on the device (None when all are zero)."""
+        if not any(self.offsets):
+            return None
+        return torch.tensor(self.offsets, dtype=torch.float32, device=self.sharded.device)
+
+    def calls(self, key: Key, per_tensor: bool) -> list[Call]:
+        buf = key.buffers
+        buckets = key.layout.buckets
+        if not self.any_skipped:
+            if per_tensor:
+                return [
+                    Call(
+                        buf,
+                        [f.shard_range for f in buf.fragments],
+                        [_space(f.bucket_range, buckets[f.bucket]) for f in buf.fragments],
+                        0,
+                        self.sharded.fragment_indices[key.index],
+                    )
+                ]
+            chunks = [
+                (
+                    Range(b.shard_offset, b.shard_offset + b.chunk_numel),
+                    _space(b.chunk_range(self.sharded.rank), b),
+                )
+                for b in buckets
+            ]
+            return [Call(buf, [s for s, _ in chunks], [k for _, k in chunks], 0, None)]
+        by_offset: dict[int, list] = {}
+        for position, f in enumerate(buf.fragments):
+            if f.param not in self.unused:
+                by_offset.setdefault(self.offsets[f.param], []).append((position, f))
+        calls = []
+        for offset, frags in sorted(by_offset.items()):
+            index = None
+            if per_tensor:
+                index = torch.tensor(
+                    [f.param for _, f in frags], dtype=torch.long, device=self.sharded.device
+                )
+                runs = [(f.shard_range, f.bucket_range, f.bucket) for _, f in frags]
+            else:
+                runs, last = [], None
+                for position, f in frags:  # merge neighbours (only gaps between) of one bucket
+                    if last is not None and last == position - 1 and runs[-1][2] == f.bucket:
+                        shard_r, bucket_r, _ = runs[-1]
+                        runs[-1] = (
+                            Range(shard_r.start, f.shard_range.end),
+                            Range(bucket_r.start, f.bucket_range.end),
+                            f.bucket,
+                        )
+                    else:
+                        runs.append((f.shard_range, f.bucket_range, f.bucket))
+                    last = position
+            calls.append(
+                Call(
+                    buf,
+                    [s for s, _, _ in runs],
+                    [_space(r, buckets[b]) for _, r, b in runs],
+                    offset,
+                    index,
+                )
+            )
+        return calls
+
+
+def _space(bucket_range: Range, bucket) -> Range:
+    """Key-space range of a bucket range."""
+    return bucket_range.shift(bucket.space_range.start)

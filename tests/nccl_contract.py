@@ -1,0 +1,149 @@
+"""The DDP-contract cases on GPUs: ``torchrun --nproc-per-node 2 tests/nccl_contract.py``.
+
+NCCL with overlapped grad and param sync (gloo on CPU when run without GPUs): params no rank
+computed a grad for are skipped and conditional ones averaged as DDP(find_unused_parameters=True)
++ AdamW does, accumulation without no_sync, in-place param writes and re-bound params seen by the
+next step, and reads after step() that see the new values. Prints one line per case; exits
+non-zero if any fails.
+"""
+
+import copy
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardopt
+
+TOL = dict(rtol=1.3e-6, atol=1e-5)
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_b, use_c):
+        y = self.a(x)
+        if use_b:
+            y = self.b(y)
+        if use_c:
+            y = self.c(y)
+        return y.square().mean()
+
+
+def _x(step, rank, dev):
+    gen = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4, 8, generator=gen).to(dev)
+
+
+def unused_conditional_accumulation(rank, world):
+    """Matches DDP(find_unused_parameters=True) + AdamW: c unused for 3 steps on every rank, b
+    used on rank 0 only every other step, two synchronised backward passes per step."""
+    dev = _device()
+    torch.manual_seed(0)
+    model = Net().to(dev)
+    ref = copy.deepcopy(model)
+    opt = shardopt.DistributedFusedAdam(
+        model.parameters(),
+        lr=0.1,
+        weight_decay=0.1,
+        bucket_cap_mb=100 * 4 / 2**20,
+        overlap_param_sync=True,
+    )
+    ddp = nn.parallel.DistributedDataParallel(
+        ref, find_unused_parameters=True, process_group=dist.new_group()
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    for step in range(5):
+        use_b, use_c = step % 2 == 0 and rank == 0, step >= 3
+        for micro in range(2):
+            x = _x(step, rank, dev) + micro
+            model(x, use_b, use_c).backward()
+            ddp(x, use_b, use_c).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.wait_param_sync()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=n, s=step: f"step {s} {n}: {m}")
+
+
+def writes_and_rebinds_are_seen(rank, world):
+    """bf16 params: an in-place write after step() and a re-bound param are where the next step
+    starts from (the fp32 masters do not undo them)."""
+    dev = _device()
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16).to(dev, torch.bfloat16)
+    opt = shardopt.DistributedFusedSGD(model.parameters(), lr=0.0, overlap_param_sync=True)
+    model(torch.ones(2, 16, device=dev, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    opt.wait_param_sync()
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    model.bias.data = torch.full_like(model.bias, 0.25)
+    model(torch.ones(2, 16, device=dev, dtype=torch.bfloat16)).sum().backward()
+    opt.step()  # lr 0: the params must stay what was written
+    opt.wait_param_sync()
+    assert bool((model.weight == 0.5).all()), model.weight
+    assert bool((model.bias == 0.25).all()), model.bias
+
+
+def reads_after_step_see_new_values(rank, world):
+    """overlap_param_sync=True: model.state_dict() right after step() holds the new params."""
+    dev = _device()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(dev)
+    ref = copy.deepcopy(model)
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.1, overlap_param_sync=True)
+    ref_opt = shardopt.DistributedFusedAdam(ref.parameters(), lr=0.1)
+    for step in range(2):
+        model(_x(step, rank, dev)).square().mean().backward()
+        ref(_x(step, rank, dev)).square().mean().backward()
+        opt.step()
+        ref_opt.step()
+        state = model.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=0)
+
+
+CASES = [
+    unused_conditional_accumulation,
+    writes_and_rebinds_are_seen,
+    reads_after_step_see_new_values,
+]
+
+
+def main() -> int:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    failed = 0
+    for case in CASES:
+        try:
+            case(rank, world)
+            ok = True
+        except Exception:
+            ok = False
+            failed += 1
+            traceback.print_exc()
+        if rank == 0:
+            print(f"{'PASS' if ok else 'FAIL'} {case.__name__} ({backend}, world {world})")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Apex DistributedFusedAdam's surface on the distributed classes (issue 17, part 1): its keyword
+arguments with Apex's defaults, its methods, the groups of Apex's HSDP layout, the under-filled
+bucket warning; refused options raise NotImplementedError naming the argument. Results are
+compared with DDP + torch AdamW."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import run_cases
+from torch import nn
+
+import shardopt
+
+TOL = dict(rtol=1.3e-6, atol=1e-5)
+APEX_DEFAULTS = dict(
+    pipeline_size=2,
+    contiguous_param_buffer=False,
+    contiguous_grad_buffer=False,
+    store_params=True,
+    store_param_remainders=False,
+    with_scaled_states=False,
+    nccl_ub=False,
+)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(step, rank):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(5, 8, generator=gen)
+
+
+def apex_script_matches_ddp(rank, world):
+    """An Apex-style script (every Apex keyword at its default, distributed_process_group,
+    pipeline_size, init_params, parameters()) equals DDP + torch AdamW."""
+    model, ref = _model(), _model()
+    opt = shardopt.DistributedFusedAdam(
+        model.parameters(),
+        lr=1e-2,
+        betas=(0.9, 0.99),
+        weight_decay=0.1,
+        distributed_process_group=dist.group.WORLD,
+        device="cpu",
+        **dict(APEX_DEFAULTS, pipeline_size=1),
+    )
+    opt.init_params(reversed(list(model.parameters())))
+    opt.init_params_bucket(model[0].weight)
+    assert [id(p) for p in opt.parameters()] == [id(p) for p in model.parameters()]
+    ddp = nn.parallel.DistributedDataParallel(ref, process_group=dist.new_group())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    for step in range(3):
+        model(_batch(step, rank)).square().mean().backward()
+        opt.clip_grad_norm(0.5)
+        opt.step()
+        opt.zero_grad()
+        ddp(_batch(step, rank)).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL)
+
+
+def refused_and_checked_arguments(rank, world):
+    """Options whose meaning is not kept raise, naming the argument; wrong groups or devices
+    are clear errors; a per-param dtype different from the optimizer's is refused."""
+    for kw, error, match in (
+        (dict(store_param_remainders=True), NotImplementedError, "store_param_remainders"),
+        (dict(with_scaled_states=True), NotImplementedError, "with_scaled_states"),
+        (dict(nccl_ub=True), NotImplementedError, "nccl_ub"),
+        (dict(pipeline_size=0), ValueError, "pipeline_size"),
+        (dict(device="meta"), ValueError, "device='meta'"),
+        (dict(no_such_option=1), TypeError, "no_such_option"),
+        (dict(dtype=torch.bfloat16), TypeError, "16-bit optimizer state"),
+    ):
+        with pytest.raises(error, match=match):
+            shardopt.DistributedFusedAdam(_model().parameters(), **kw)
+    opt = shardopt.DistributedFusedAdam(_model().parameters())
+    with pytest.raises(NotImplementedError, match="grad_sync_dtype"):
+        opt.init_params(grad_sync_dtype=torch.float16)
+    with pytest.raises(ValueError, match="not one of this optimizer's params"):
+        opt.init_params([torch.zeros(3)])
+    opt.init_params(dtype=torch.float32)  # the dtype in use: accepted
+    if world == 2:
+        # Apex's layout: process_group is shards x replicas
+        with pytest.raises(ValueError, match="distributed_process_group x redundant"):
+            shardopt.DistributedFusedAdam(
+                _model().parameters(),
+                process_group=dist.group.WORLD,
+                distributed_process_group=dist.new_group([0, 1]),
+                redundant_process_group=dist.new_group([0, 1]),
+            )
+
+
+def underfilled_buckets_warn(rank, world):
+    """Apex's warning when buckets are mostly empty; none for well-filled buckets."""
+    tiny = [nn.Parameter(torch.zeros(3)) for _ in range(16)]  # 3 of every 32 aligned elements
+    with pytest.warns(UserWarning, match="consider decreasing bucket_cap_mb"):
+        shardopt.DistributedFusedAdam(tiny)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shardopt.DistributedFusedAdam(nn.Linear(256, 256).parameters())
+
+
+CASES = [apex_script_matches_ddp, refused_and_checked_arguments, underfilled_buckets_warn]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
+def results(request):
+    return request.param, run_cases(CASES, request.param)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_apex_compat(results, case):
+    world, out = results
+    assert out[case.__name__] is None, out[case.__name__]
