@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_harness import run_cases
+from own_step_reference import OwnStepReference
 
 import shardopt
 from shardopt import checkpoint
@@ -153,7 +154,8 @@ HYPER = {
 
 
 def _reference_opt(name, params):
-    """torch.optim where it has the algorithm, else the single-process shardopt class."""
+    """torch.optim where it has the algorithm, else the single-process shardopt class with torch's
+    per-param step counting (own_step_reference)."""
     kw = dict(HYPER[name])
     if name == "Adam":
         return torch.optim.AdamW(params, **kw)
@@ -164,7 +166,7 @@ def _reference_opt(name, params):
         return torch.optim.SGD(params, **kw)
     if name == "Adagrad":
         return torch.optim.Adagrad(params, **kw)
-    return getattr(shardopt, f"Fused{name}")(params, **kw)
+    return OwnStepReference(getattr(shardopt, f"Fused{name}"), [{"params": list(params)}], **kw)
 
 
 def _distributed_opt(name, params, **zero):
@@ -517,7 +519,7 @@ def item2_params_without_grads_skipped(rank, world):
     1 and 3) keeps its value, state and per-param step, as torch.optim after
     DDP(find_unused_parameters=True); a grad on some ranks only is averaged with zeros; step()
     without a backward changes nothing. Reference: DDP + torch.optim (LAMB, NovoGrad: the
-    single-process class fed DDP's grads)."""
+    single-process class fed DDP's grads, counting steps per param as torch does)."""
     failures = Failures()
     for name in ("Adam", "AdamL2", "SGD", "Adagrad", "LAMB", "NovoGrad"):
         failures.run(_params_without_grads, name, rank, world)
@@ -525,9 +527,7 @@ def item2_params_without_grads_skipped(rank, world):
 
 
 def _params_without_grads(name, rank, world):
-    # LAMB and NovoGrad have no torch.optim class: their reference, the single-process class,
-    # counts steps per group (docs/spec.md), so only their state tensors are held unchanged.
-    ignore = ("step",) if name in ("LAMB", "NovoGrad") else ()
+    ignore = ()
     pair = Pair(name, _net(unused=True))
     start = copy.deepcopy(pair.model)
     quiet_ids = _pids(pair.model, "unused")
@@ -1383,14 +1383,17 @@ def item12_param_in_two_optimizers(rank, world):
     assert isinstance(info.value, (RuntimeError, ValueError)), repr(info.value)
 
 
+DUPLICATE = r"(?i)duplicate|more than one|twice|same tensor as param"
+
+
 def item12_duplicate_params(rank, world):
     """Item 12: a param listed twice in one group, or in two groups: a clear error naming the
     duplicate at construction."""
     model = _net()
     p, q = model.block.weight, model.block.bias
-    with pytest.raises((RuntimeError, ValueError), match=r"(?i)duplicate|more than one|twice"):
+    with pytest.raises((RuntimeError, ValueError), match=DUPLICATE):
         shardopt.DistributedFusedAdam([p, q, p])
-    with pytest.raises((RuntimeError, ValueError), match=r"(?i)duplicate|more than one|twice"):
+    with pytest.raises((RuntimeError, ValueError), match=DUPLICATE):
         shardopt.DistributedFusedAdam([{"params": [p]}, {"params": [q, p]}])
 
 

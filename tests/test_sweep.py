@@ -9,9 +9,10 @@ steps), gradient accumulation with no_sync or with several synchronised backward
 
 fp32 runs train a small model; the references are DDP(find_unused_parameters=True, on a process
 group of its own) with the torch.optim class where there is one (AdamW, Adam, SGD, Adagrad), and
-the single-process shardopt class fed DDP's averaged grads (the exact reference: the same kernels)
-- except for Adam when a param has no grad on any rank at some step, where FusedAdam's per-group
-step count and torch's per-param count differ and torch.optim is the contract (issue 13, item 2).
+the single-process shardopt class fed DDP's averaged grads (the same kernels), one instance per
+param so that each param counts its own steps as torch.optim does (own_step_reference.py; a
+grouped single-process optimizer counts per group, which differs once a param had no grad on any
+rank at some step).
 After every step the params are compared at the fp32 tolerance (rtol=1.3e-6, atol=1e-5) and the
 references restart from the distributed params (see test_ddp_contract._anchor). clip_grad_norm's
 return value is compared with clip_grad_norm_'s; a step skipped for an inf must leave every param
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_harness import run_cases
+from own_step_reference import OwnStepReference
 
 import shardopt
 
@@ -251,9 +253,12 @@ def _torch_opt(cfg, params):
     return None
 
 
+def _single_cls(cfg):
+    return getattr(shardopt, "FusedAdam" if cfg.name == "AdamL2" else f"Fused{cfg.name}")
+
+
 def _single_opt(cfg, params, **extra):
-    cls = getattr(shardopt, "FusedAdam" if cfg.name == "AdamL2" else f"Fused{cfg.name}")
-    return cls(params, **HYPER[cfg.name], **extra)
+    return _single_cls(cfg)(params, **HYPER[cfg.name], **extra)
 
 
 def _distributed_opt(cfg, params, **extra):
@@ -315,9 +320,9 @@ def run_fp32(cfg: Config, rank: int, world: int) -> None:
     )
     opt = _distributed_opt(cfg, _groups(model.parameters(), cfg))
     torch_opt = _torch_opt(cfg, _groups(ref.parameters(), cfg))
-    single_opt = _single_opt(cfg, _groups(single.parameters(), cfg))
-    # FusedAdam counts steps per group, torch per param: they differ after a global skip
-    use_single = not (cfg.name in ("Adam", "AdamL2") and cfg.global_skip)
+    single_opt = OwnStepReference(
+        _single_cls(cfg), _groups(single.parameters(), cfg), **HYPER[cfg.name]
+    )
     scaler = _scaler() if cfg.scaler else None
     scales = []
     # params that never get a grad (frozen, unused) must stay exactly as they are
@@ -377,8 +382,7 @@ def run_fp32(cfg: Config, rank: int, world: int) -> None:
             assert torch.equal(p.detach(), start), f"{what}: {n} has no grad but changed"
         if torch_opt is not None:
             _compare(model, ref, TOL, f"{what} vs DDP + {type(torch_opt).__name__}")
-        if use_single:
-            _compare(model, single, TOL, f"{what} vs {type(single_opt).__name__}")
+        _compare(model, single, TOL, f"{what} vs {_single_cls(cfg).__name__}")
         with torch.no_grad():  # every step starts from the same params (test_ddp_contract._anchor)
             for p, q, s in zip(model.parameters(), ref.parameters(), single.parameters()):
                 q.copy_(p)
