@@ -23,7 +23,7 @@ grads are multiples of 1/8, summed over ranks (average_grad_sync=False) so that 
 bf16, against the single-process class with master_weights=True, at the bf16 tolerance
 (rtol=5e-2, atol=1e-5); the fp32 masters at the fp32 tolerance when there is no clipping.
 
-CI runs seeds 0-7 (two per world size); ``pytest -m slow`` runs seeds 8-207.
+CI runs seeds 0-7 (two per world size); ``pytest -m slow`` runs seeds 8-407.
 ``SHARDOPT_SWEEP_SEEDS=a-b`` runs another range in the slow test, and ``SHARDOPT_SWEEP_EXCLUDE``
 (comma-separated feature names, e.g. ``synced_accumulation,global_skip``) draws configurations
 without those features: for triage only, the default draws everything.
@@ -74,7 +74,7 @@ FEATURES = (
     "bf16",
 )
 FAST_SEEDS = list(range(8))
-SLOW_SEEDS = list(range(8, 208))
+SLOW_SEEDS = list(range(8, 408))
 
 
 def _exclude() -> frozenset:
