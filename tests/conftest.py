@@ -255,3 +255,15 @@ SCALER_CASES = [
     for dtype, name in ((torch.float32, "fp32"), (torch.float16, "fp16"), (torch.bfloat16, "bf16"))
     if not (dev == "cuda" and dtype == torch.bfloat16)
 ]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` are the long mode: they run only when ``-m`` names them (``pytest -m
+    slow``; ``-m "slow or not slow"`` for everything). CI's ``-m "not cuda and not multigpu"``
+    leaves them out."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if "slow" not in item.keywords]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if "slow" in i.keywords])
+        items[:] = kept
