@@ -141,7 +141,7 @@ def _as_they_are(lists: TensorLists, mixed_dtypes: bool) -> bool:
         if not all(all(map(_IS_CONTIGUOUS, lst)) for lst in lists):
             return False
         return mixed_dtypes or all(len(set(map(_DTYPE, lst))) == 1 for lst in lists)
-    except TypeError:  # a None entry: a position without an out (a mixed master-weights group)
+    except (TypeError, AttributeError):  # a None entry: a position without an out slot
         return False
 
 
