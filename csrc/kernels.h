@@ -3,7 +3,9 @@
 //
 // Every kernel takes `lists`: a vector of tensor lists ("slots"); slot k holds the k-th operand of
 // every tensor being updated (see the kSlot constants in each optimizer's math header). All tensors
-// are contiguous, on one device, and tensors at the same position in every slot have the same numel.
+// are on one device and dense (any layout, any storage offset: each is read as the flat array of
+// its elements), and tensors at the same position in every slot have the same numel and layout
+// (multi_tensor/checks.h). A slot has one dtype, except in norm and scale, which dispatch per tensor.
 // Optional "device scalars" are 1-element float32 tensors on the same device; when present they
 // replace the host value (capturable / no-host-sync paths):
 //   lr_t        learning rate

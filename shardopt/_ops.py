@@ -1,14 +1,17 @@
 """The one dispatch point between Python and the compiled kernels (``shardopt._C``).
 
-Every optimizer calls the kernels through this module. It hands the kernels DTensors' local shards
-(shardopt/optimizers/dtensor.py), checks that the tensors of one call share a device, groups tensor
-lists by their dtype signature (one kernel launch per group) and picks the CPU or CUDA backend.
+Every optimizer calls the kernels through this module, and ``_call`` is the one place where tensor
+lists are fitted to them: it hands the kernels DTensors' local shards
+(shardopt/optimizers/dtensor.py), splits lists that mix dtypes into one call per dtype signature,
+passes tensors the kernels cannot read as flat storage through temporaries (see Note: layouts) and
+picks the CPU or CUDA backend of the lists' device (the C++ checks refuse a tensor on another one).
 There is no silent Python fallback: a device without compiled kernels is an error that says how
 to build them.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -110,12 +113,117 @@ def check_param_devices(params: Sequence[Tensor], owner: str, first_index: int =
     return device if device is not None else torch.device("cpu")
 
 
-def _signature_groups(lists: TensorLists) -> list[list[int]]:
-    """Indices of tensor positions grouped by (dtype of each slot), in first-seen order."""
-    groups: dict[tuple[torch.dtype, ...], list[int]] = {}
+# Note: layouts
+# A kernel reads each tensor as the flat array of its numel elements from ``data_ptr()``, which is
+# right for any non-overlapping, dense tensor (contiguous, channels_last, a permuted view, any
+# storage offset) as long as the tensors at one position of the lists (grad, param, state, out)
+# order their elements alike; the C++ check (csrc/multi_tensor/checks.h) refuses anything else.
+# torch.optim creates state with the param's strides (``zeros_like``, preserve_format), as the
+# optimizers here do, and AccumulateGrad gives grads the param's strides, so in practice every
+# position already qualifies and the lists go to the kernel as they are. Otherwise ``_layouts``
+# makes it so, position by position: the param (``param_slot``) sets the layout (a param that is
+# not dense, e.g. ``base[:, ::2]``, is replaced by a dense copy laid out as ``empty_like`` lays
+# it out, which is also the layout of state created for it), and every other tensor laid out
+# differently (a grad with other strides, state loaded from a checkpoint of another layout) is
+# copied into a temporary of that layout. After the kernel, the temporaries of the slots the
+# kernel writes are copied back. Alignment needs nothing here: the CPU loops take any address,
+# and the CUDA traversal takes its 16-byte vector path only where the slots' addresses allow it
+# (csrc/multi_tensor/cuda_elementwise.cuh).
+
+_DTYPE = operator.attrgetter("dtype")
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+
+
+def _as_they_are(lists: TensorLists, mixed_dtypes: bool) -> bool:
+    """True when the kernel takes ``lists`` unchanged, in one call: every tensor contiguous and,
+    unless the kernel dispatches per tensor, one dtype per slot (the common case; C-level loops)."""
+    try:
+        if not all(all(map(_IS_CONTIGUOUS, lst)) for lst in lists):
+            return False
+        return mixed_dtypes or all(len(set(map(_DTYPE, lst))) == 1 for lst in lists)
+    except (TypeError, AttributeError):  # a None entry: a position without an out slot
+        return False
+
+
+def is_dense(t: Tensor) -> bool:
+    """ATen's is_non_overlapping_and_dense (not bound in Python): the dims of size > 1, in stride
+    order, tile the storage without gaps or overlap."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_layout(t: Tensor, ref: Tensor) -> bool:
+    """Whether ``t`` orders its elements as the dense ``ref`` does (as checks.h's same_layout)."""
+    if t.is_contiguous() and ref.is_contiguous():
+        return True
+    if t.shape != ref.shape:
+        return False
+    return all(a == b for a, b, n in zip(t.stride(), ref.stride(), t.shape) if n != 1)
+
+
+def _layouts(
+    name: str, lists: list[list[Tensor]], param_slot: int, writes: Sequence[int]
+) -> tuple[list[list[Tensor]], list[tuple[Tensor, Tensor]]]:
+    """``lists`` with every position readable as flat storage, and the (tensor, temporary) pairs
+    to copy back after the kernel. See Note: layouts."""
+    out = [list(lst) for lst in lists]
+    temps: dict[int, Tensor] = {}  # by id: a tensor in several slots gets one temporary
+    back: dict[int, tuple[Tensor, Tensor]] = {}
     for i in range(len(lists[0])):
-        groups.setdefault(tuple(lst[i].dtype for lst in lists), []).append(i)
-    return list(groups.values())
+        param = lists[param_slot][i]
+        ref = param if is_dense(param) else None
+        for k in [param_slot] + [k for k in range(len(lists)) if k != param_slot]:
+            t = lists[k][i]
+            if t is None or (ref is not None and same_layout(t, ref)):
+                continue
+            if t.device != param.device or t.numel() != param.numel():
+                raise RuntimeError(
+                    f"{name}: tensor {i} of list {k} ({t.numel()} elements on {t.device}) does "
+                    f"not match tensor {i} of list {param_slot} ({param.numel()} elements on "
+                    f"{param.device}): expected all tensors to be on the same device, with one "
+                    "numel per position"
+                )
+            temp = temps.get(id(t))
+            if temp is None:
+                like = param if ref is None else ref
+                temp = torch.empty_like(like, dtype=t.dtype)  # like's strides where it is dense
+                temp.copy_(t if t.shape == param.shape else t.reshape(param.shape))
+                temps[id(t)] = temp
+            if ref is None:
+                ref = temp
+            out[k][i] = temp
+            if k in writes:
+                if torch._debug_has_internal_overlap(t) == 1:
+                    raise RuntimeError(
+                        f"{name}: tensor {i} of list {k} (shape {tuple(t.shape)}, strides "
+                        f"{t.stride()}) has elements that share memory (an expanded view?), so it "
+                        "cannot be updated in place; clone() it first"
+                    )
+                back[id(t)] = (t, temp)
+    return out, list(back.values())
+
+
+def _signature_groups(lists: TensorLists) -> list[tuple[list[int], list[int]]]:
+    """(positions, slots present) per dtype signature of ``lists``, in first-seen order.
+
+    A None entry (only in the last slot, the out) leaves that slot out of its positions' call.
+    """
+    groups: dict[tuple[torch.dtype | None, ...], list[int]] = {}
+    for i in range(len(lists[0])):
+        key = tuple(None if lst[i] is None else lst[i].dtype for lst in lists)
+        groups.setdefault(key, []).append(i)
+    out = []
+    for key, idx in groups.items():
+        if None in key[:-1]:
+            raise ValueError("only the last tensor list (the out slot) may have None entries")
+        out.append((idx, [k for k, dtype in enumerate(key) if dtype is not None]))
+    return out
 
 
 def _call(
@@ -123,36 +231,52 @@ def _call(
     lists: TensorLists,
     *args,
     per_tensor: Sequence[Tensor] = (),
+    param_slot: int = 1,
+    writes: Sequence[int] = (),
+    mixed_dtypes: bool = False,
     **kwargs,
-) -> list[tuple[list[int], Any]]:
-    """Runs kernel ``name`` once per dtype group of ``lists``.
+) -> list[tuple[Sequence[int], Any]]:
+    """Runs kernel ``name`` over ``lists``: the one place where lists are fitted to the kernels.
 
-    ``per_tensor`` vectors (one entry per tensor position) are sliced to each group. Returns each
-    group's tensor positions with the kernel's result for them.
+    Tensors laid out so that the kernel cannot read them flat are replaced by temporaries (see
+    Note: layouts; ``param_slot`` is the slot that sets the layout, ``writes`` the slots copied
+    back), and lists that mix dtypes within a slot are split into one call per dtype signature
+    (unless ``mixed_dtypes``: the kernel dispatches per tensor). ``per_tensor`` vectors (one entry
+    per position) are sliced to each call. Returns each call's positions with its result.
     """
     from shardopt.optimizers.dtensor import local_lists
 
     lists = local_lists([lst for lst in lists if lst is not None])
     if not lists or not lists[0]:
         return []
-    device = common_device([t for lst in lists for t in lst], "params and grads")
+    device = lists[0][0].device  # the kernel checks that every tensor is on it
     kernel = getattr(_backend(device), name)
     if device.type == "cuda":
         per_tensor = [v.float() for v in per_tensor]
-    groups = _signature_groups(lists)
-    if len(groups) == 1:
-        return [(groups[0], kernel(lists, *per_tensor, *args, **kwargs))]
-    results = []
-    for idx in groups:
-        sub = [[lst[i] for i in idx] for lst in lists]
-        index = torch.tensor(idx, device=per_tensor[0].device) if per_tensor else None
-        vecs = [v.index_select(0, index) for v in per_tensor]
-        results.append((idx, kernel(sub, *vecs, *args, **kwargs)))
+    n = len(lists[0])
+    if _as_they_are(lists, mixed_dtypes):
+        return [(range(n), kernel(lists, *per_tensor, *args, **kwargs))]
+    lists, back = _layouts(name, lists, param_slot, writes)
+    if mixed_dtypes:
+        results = [(range(n), kernel(lists, *per_tensor, *args, **kwargs))]
+    else:
+        results = []
+        for idx, slots in _signature_groups(lists):
+            sub = [[lists[k][i] for i in idx] for k in slots]
+            if len(idx) < n and per_tensor:
+                index = torch.tensor(idx, device=per_tensor[0].device)
+                vecs = [v.index_select(0, index) for v in per_tensor]
+            else:
+                vecs = list(per_tensor)
+            results.append((idx, kernel(sub, *vecs, *args, **kwargs)))
+    with torch.no_grad():
+        for t, temp in back:
+            t.copy_(temp)
     return results
 
 
 def _per_tensor_results(
-    results: list[tuple[list[int], tuple[Tensor, ...]]], n: int
+    results: list[tuple[Sequence[int], tuple[Tensor, ...]]], n: int
 ) -> tuple[Tensor, ...]:
     """Per-group result vectors of a ``_call`` assembled into full-length vectors (caller order)."""
     if len(results) == 1:
@@ -165,7 +289,7 @@ def _per_tensor_results(
             dtype = torch.promote_types(dtype, v.dtype)
         full = torch.zeros(n, dtype=dtype, device=parts[0][1].device)
         for idx, v in parts:
-            full.index_copy_(0, torch.tensor(idx, device=full.device), v.to(dtype))
+            full.index_copy_(0, torch.tensor(list(idx), device=full.device), v.to(dtype))
         out.append(full)
     return tuple(out)
 
@@ -176,7 +300,7 @@ def adam(lists: TensorLists, **kwargs) -> None:
         from shardopt import _custom_ops
 
         return _custom_ops.adam(lists, **kwargs)
-    _call("adam", lists, **kwargs)
+    _call("adam", lists, writes=(1, 2, 3, 4), **kwargs)
 
 
 def sgd(lists: TensorLists, **kwargs) -> None:
@@ -185,12 +309,12 @@ def sgd(lists: TensorLists, **kwargs) -> None:
         from shardopt import _custom_ops
 
         return _custom_ops.sgd(lists, **kwargs)
-    _call("sgd", lists, **kwargs)
+    _call("sgd", lists, writes=(1, 2, 3), **kwargs)
 
 
 def adagrad(lists: TensorLists, **kwargs) -> None:
     """Adagrad over [grad, param, sum(, out)]; see csrc/kernels.h."""
-    _call("adagrad", lists, **kwargs)
+    _call("adagrad", lists, writes=(1, 2, 3), **kwargs)
 
 
 def lamb_stage1(lists: TensorLists, **kwargs) -> tuple[Tensor, Tensor]:
@@ -200,7 +324,7 @@ def lamb_stage1(lists: TensorLists, **kwargs) -> tuple[Tensor, Tensor]:
     the update terms, in the order of ``lists``, on the tensors' device: fp32 (fp64 on CPU when
     every param is fp64); zeros for a skipped step.
     """
-    results = _call("lamb_stage1", lists, **kwargs)
+    results = _call("lamb_stage1", lists, writes=(2, 3), **kwargs)
     if not results:
         empty = torch.zeros(0, dtype=torch.float32)
         return empty, empty.clone()
@@ -210,27 +334,36 @@ def lamb_stage1(lists: TensorLists, **kwargs) -> tuple[Tensor, Tensor]:
 
 def lamb_stage2(lists: TensorLists, w_norm: Tensor, u_norm: Tensor, **kwargs) -> None:
     """LAMB trust-ratio apply over [param, exp_avg, exp_avg_sq(, out)] with per-tensor norms."""
-    _call("lamb_stage2", lists, per_tensor=(w_norm, u_norm), **kwargs)
+    _call(
+        "lamb_stage2",
+        lists,
+        per_tensor=(w_norm, u_norm),
+        param_slot=0,
+        writes=(0, 3),
+        **kwargs,
+    )
 
 
 def novograd(lists: TensorLists, v_norm: Tensor, **kwargs) -> None:
     """NovoGrad over [grad, param, exp_avg(, out)] with the per-tensor second moment."""
-    _call("novograd", lists, per_tensor=(v_norm,), **kwargs)
+    _call("novograd", lists, per_tensor=(v_norm,), writes=(1, 2, 3), **kwargs)
 
 
 def norm(tensors: Sequence[Tensor], max_norm: bool = False) -> tuple[Tensor, Tensor]:
     """Deterministic (total, per_tensor): sums of squares, or max |x| when ``max_norm``.
 
     fp32 results (fp64 when every input is fp64) on the tensors' device; empty input gives zeros.
+    The tensors may mix dtypes and layouts (the kernel dispatches per tensor; see Note: layouts).
     """
     from shardopt.optimizers.dtensor import local_lists
 
-    (tensors,) = local_lists([tensors])
-    if not tensors:
+    lists = local_lists([tensors])
+    if not lists[0]:
         z = torch.zeros((), dtype=torch.float32)
         return z, torch.zeros(0, dtype=torch.float32)
-    device = common_device(tensors)
-    return _backend(device).norm(tensors, max_norm)
+    if not _as_they_are(lists, mixed_dtypes=True):
+        lists, _ = _layouts("norm", lists, 0, ())
+    return _backend(lists[0][0].device).norm(lists[0], max_norm)
 
 
 def scale(
@@ -240,11 +373,8 @@ def scale(
     scale: float = 1.0,
     scale_t: Tensor | None = None,
 ) -> None:
-    """dst = src * scale (``scale_t`` if given); sets ``found_inf`` to 1 on any inf/nan in src."""
-    if not src:
-        return
-    from shardopt.optimizers.dtensor import local_lists
+    """dst = src * scale (``scale_t`` if given); sets ``found_inf`` to 1 on any inf/nan in src.
 
-    src, dst = local_lists([src, dst])
-    device = common_device(src + dst + [found_inf])
-    _backend(device).scale([src, dst], scale, scale_t, found_inf)
+    ``src`` and ``dst`` may mix dtypes and layouts (the kernels dispatch per dtype).
+    """
+    _call("scale", [src, dst], scale, scale_t, found_inf, writes=(1,), mixed_dtypes=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from shardopt import _ops
+from shardopt import FusedSGD, _ops
 
 CUDA_MARKS = [
     pytest.mark.cuda,
@@ -190,14 +190,21 @@ class Parity:
                     assert key not in state, f"param {i} has {key} but its reference has none"
                     continue
                 acc = torch.float64 if self.dtype == torch.float64 else torch.float32
-                assert state[key].dtype == acc, f"{key} of param {i} is {state[key].dtype}"
+                # docs/spec.md "State dtypes": FusedSGD's buffer has the param's dtype
+                kept = self.dtype if isinstance(self.opt, FusedSGD) else acc
+                assert state[key].dtype == kept, f"{key} of param {i} is {state[key].dtype}"
                 want = self.ref.state[i][key]
                 if master or self.dtype not in (torch.float16, torch.bfloat16):
                     tol = self.tol if self.tol != self.dtype else acc
                     assert_close_to(state[key], want, tol, f"{key} of param {i}")
                 else:
-                    # fp32 state fed by a rounded param: errors scale with the state, not each entry
-                    atol = TOLERANCES[self.dtype][0] * float(want.abs().max())
+                    # fp32 state fed by a rounded param: errors scale with the state, not each
+                    # entry; state in the param dtype rounds every op: errors scale with the
+                    # grad-sized terms summed into it, even where they cancel
+                    scale = float(want.abs().max())
+                    if kept != acc:
+                        scale = max(scale, self.grad_std)
+                    atol = TOLERANCES[self.dtype][0] * scale
                     assert_close_to(state[key], want, self.dtype, f"{key} of param {i}", atol)
 
     def assert_moved(self) -> None:

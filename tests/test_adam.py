@@ -87,13 +87,15 @@ def test_master_weights_track_reference_in_fp32(adam_w_mode, dtype, device):
         assert torch.equal(p, run.opt.state[p]["master_param"].to(p.dtype))
 
 
-def test_master_weights_group_mixing_fp16_and_fp32_is_an_error():
+def test_master_weights_in_a_group_mixing_fp16_and_fp32_only_for_the_fp16_params():
+    """tests/test_accepted_tensors.py checks the values; here: who gets a master."""
     params = [torch.randn(3, dtype=torch.float16), torch.randn(3)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = FusedAdam(params, master_weights=True)
-    with pytest.raises(RuntimeError, match="separate groups"):
-        opt.step()
+    opt.step()
+    assert opt.state[params[0]]["master_param"].dtype == torch.float32
+    assert "master_param" not in opt.state[params[1]]
 
 
 @pytest.mark.parametrize("lr_as_tensor", [True, False])

@@ -6,13 +6,41 @@
 #include <c10/util/Exception.h>
 
 #include <optional>
+#include <sstream>
+#include <string>
 #include <vector>
 
 namespace shardopt {
 
+// See Note: layouts (shardopt/_ops.py). A kernel reads every tensor as the flat array of its numel
+// elements from data_ptr(), so a tensor must be non-overlapping and dense (contiguous,
+// channels_last, a permuted view; any storage offset), and the tensors at one position of the
+// lists must order their elements alike: all contiguous (their shapes may then differ), or one
+// shape with the same stride in every dimension of size > 1.
+inline bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_contiguous() && b.is_contiguous()) return true;
+  if (a.sizes() != b.sizes()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) != 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+// "tensor i of list k (Half, shape [2, 3], strides [3, 1])", for error messages.
+inline std::string describe(const std::vector<std::vector<at::Tensor>>& lists, size_t k,
+                            size_t i) {
+  const at::Tensor& t = lists[k][i];
+  std::ostringstream out;
+  out << "tensor " << i << " of list " << k << " (" << t.scalar_type() << ", shape " << t.sizes()
+      << ", strides " << t.strides() << ")";
+  return out.str();
+}
+
 // Checks that lists has `depth` or `depth + 1` (with an out slot) slots of equal length, every
-// tensor contiguous, dense, on `device_type`, one dtype per slot (unless mixed_dtypes), and
-// matching numel per position. Returns whether the optional out slot is present.
+// tensor strided, non-overlapping and dense, on one device of `device_type`, one dtype per slot
+// (unless mixed_dtypes: the kernel dispatches per tensor), and at each position the same numel and
+// layout as list 0's tensor. A list the kernel cannot take raises here, before anything is read.
+// Returns whether the optional out slot is present.
 inline bool check_tensor_lists(const std::vector<std::vector<at::Tensor>>& lists, size_t depth,
                                c10::DeviceType device_type, const char* name,
                                bool mixed_dtypes = false) {
@@ -25,16 +53,28 @@ inline bool check_tensor_lists(const std::vector<std::vector<at::Tensor>>& lists
                 " tensors, list 0 has ", n);
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& t = list[i];
-      TORCH_CHECK(t.device().type() == device_type, name, ": tensor ", i, " of list ", k,
-                  " is on ", t.device(), ", expected a ", device_type, " tensor");
-      TORCH_CHECK(t.layout() == at::kStrided, name, ": sparse tensors are not supported");
-      TORCH_CHECK(t.is_contiguous(), name, ": tensor ", i, " of list ", k, " is not contiguous");
-      TORCH_CHECK(mixed_dtypes || t.scalar_type() == list[0].scalar_type(), name, ": tensor ", i,
-                  " of list ", k, " has dtype ", t.scalar_type(), ", tensor 0 has ",
-                  list[0].scalar_type());
-      TORCH_CHECK(t.numel() == lists[0][i].numel(), name, ": tensor ", i, " of list ", k,
-                  " has ", t.numel(), " elements, list 0 has ", lists[0][i].numel());
-      TORCH_CHECK(t.device() == lists[0][0].device(), name, ": all tensors must be on one device");
+      TORCH_CHECK(t.defined(), name, ": tensor ", i, " of list ", k, " is undefined (None)");
+      TORCH_CHECK(t.device().type() == device_type, name, ": ", describe(lists, k, i), " is on ",
+                  t.device(), ", expected a ", device_type, " tensor");
+      TORCH_CHECK(t.device() == lists[0][0].device(), name,
+                  ": expected all tensors to be on the same device: ", describe(lists, k, i),
+                  " is on ", t.device(), ", tensor 0 of list 0 on ", lists[0][0].device());
+      TORCH_CHECK(t.layout() == at::kStrided, name, ": ", describe(lists, k, i),
+                  " is sparse; sparse tensors are not supported");
+      TORCH_CHECK(mixed_dtypes || t.scalar_type() == list[0].scalar_type(), name, ": ",
+                  describe(lists, k, i), " has another dtype than tensor 0 of that list (",
+                  list[0].scalar_type(),
+                  "): one call takes one dtype per list (shardopt._ops splits mixed lists)");
+      TORCH_CHECK(t.numel() == lists[0][i].numel(), name, ": ", describe(lists, k, i), " has ",
+                  t.numel(), " elements, tensor ", i, " of list 0 has ", lists[0][i].numel());
+      if (t.numel() == 0) continue;
+      TORCH_CHECK(t.is_non_overlapping_and_dense(), name, ": ", describe(lists, k, i),
+                  " is not dense (a strided slice or an expanded view): the kernels read flat "
+                  "storage (shardopt._ops passes such tensors through a dense copy)");
+      TORCH_CHECK(same_layout(t, lists[0][i]), name, ": ", describe(lists, k, i),
+                  " orders its elements unlike ", describe(lists, 0, i),
+                  ": the tensors at one position need one memory layout (shardopt._ops copies "
+                  "the others into the param's)");
     }
   }
   return lists.size() == depth + 1;

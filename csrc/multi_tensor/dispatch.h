@@ -2,7 +2,8 @@
 //
 // A kernel call sees up to three storage dtypes: the grad (G), the param or fp32 master (P) and an
 // optional low-precision "out" copy of the param (O). Math runs in acc_t: double for fp64 params,
-// float otherwise; optimizer state is stored in acc_t. Supported combinations:
+// float otherwise; optimizer state is stored in acc_t (except SGD's momentum buffer, stored in P, as
+// torch.optim.SGD's: sgd_math.h). Supported combinations:
 //   without out: (G, P) in {(f32,f32), (f16,f16), (bf16,bf16), (f64,f64), (f16,f32), (bf16,f32)}
 //   with out:    P = f32, G in {f32, f16, bf16}, O in {f32, f16, bf16}
 #pragma once

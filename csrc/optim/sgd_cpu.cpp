@@ -18,34 +18,45 @@ void sgd_cpu(const TensorLists& lists, double lr, double momentum, double dampen
       "sgd", [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        if (momentum != 0.0) check_state_dtype<acc_t>(lists[kMomentum], "sgd", "momentum_buffer");
-        const Hyper<acc_t> h = make_hyper<acc_t>(
+        using param_t = typename Ty::param_t;
+        // fp16/bf16 params without masters: torch.optim.SGD's param-dtype buffer and roundings
+        constexpr bool kRounded = !std::is_same_v<param_t, acc_t>;
+        using buf_t = std::conditional_t<kRounded, param_t, acc_t>;
+        if (momentum != 0.0) check_state_dtype<buf_t>(lists[kMomentum], "sgd", "momentum_buffer");
+        Hyper<acc_t> h = make_hyper<acc_t>(
             cpu::scalar_or(lr_t, lr), momentum, dampening, weight_decay, nesterov,
             cpu::scalar_or(first_run_t, first_run ? 1.0 : 0.0) != 0.0, wd_after_momentum);
+        if constexpr (kRounded) round_alphas<param_t>(h);
         const acc_t gs = static_cast<acc_t>(scale * cpu::scalar_or(grad_scale_t, 1.0));
         auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
-        auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);
-        std::vector<acc_t*> b(lists[0].size(), nullptr);
-        if (momentum != 0.0) b = cpu::pointers<acc_t>(lists[kMomentum]);
+        auto p = cpu::pointers<param_t>(lists[kParam]);
+        std::vector<buf_t*> b(lists[0].size(), nullptr);
+        if (momentum != 0.0) b = cpu::pointers<buf_t>(lists[kMomentum]);
         std::vector<typename Ty::out_t*> o;
         if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kOut]);
+        auto step = [](acc_t& pi, acc_t gi, acc_t& bi, const Hyper<acc_t>& hl) {
+          if constexpr (kRounded) {
+            update_rounded<param_t>(pi, gi, bi, hl);
+          } else {
+            update<acc_t>(pi, gi, bi, hl);
+          }
+        };
         cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
           // local copies: stores through the data pointers cannot alias them, so the loop
           // vectorises
           const auto hl = h;
           const acc_t gsl = gs;
-          (void)gsl;
           auto* gk = g[k];
           auto* pk = p[k];
-          acc_t* bk = b[k];
+          buf_t* bk = b[k];
           typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
           if (bk == nullptr) {  // momentum 0: no buffer to read or write
 #pragma omp simd
             for (int64_t i = s; i < e; ++i) {
               acc_t pi = static_cast<acc_t>(pk[i]);
               acc_t unused = 0;
-              update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, unused, hl);
-              pk[i] = static_cast<typename Ty::param_t>(pi);
+              step(pi, static_cast<acc_t>(gk[i]) * gsl, unused, hl);
+              pk[i] = static_cast<param_t>(pi);
               if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
             }
             return;
@@ -53,8 +64,10 @@ void sgd_cpu(const TensorLists& lists, double lr, double momentum, double dampen
 #pragma omp simd
           for (int64_t i = s; i < e; ++i) {
             acc_t pi = static_cast<acc_t>(pk[i]);
-            update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, bk[i], hl);
-            pk[i] = static_cast<typename Ty::param_t>(pi);
+            acc_t bi = static_cast<acc_t>(bk[i]);
+            step(pi, static_cast<acc_t>(gk[i]) * gsl, bi, hl);
+            bk[i] = static_cast<buf_t>(bi);
+            pk[i] = static_cast<param_t>(pi);
             if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
           }
         });

@@ -13,8 +13,11 @@ struct SgdOp : cuda::OpBase {
   using acc_t = typename Ty::acc_t;
   using G = typename Ty::grad_t;
   using P = typename Ty::param_t;
-  using Slots = std::conditional_t<Ty::has_out, cuda::Slots<G, P, acc_t, typename Ty::out_t>,
-                                   cuda::Slots<G, P, acc_t>>;
+  // fp16/bf16 params without masters: torch.optim.SGD's param-dtype buffer and roundings
+  static constexpr bool kRounded = !std::is_same_v<P, acc_t>;
+  using Buf = std::conditional_t<kRounded, P, acc_t>;
+  using Slots = std::conditional_t<Ty::has_out, cuda::Slots<G, P, Buf, typename Ty::out_t>,
+                                   cuda::Slots<G, P, Buf>>;
   sgd::Hyper<acc_t> h;
   double scale;                        // host grad multiplier (inverse loss scale)
   const float* first_run_t = nullptr;  // device first_run flag (replaces h.first_run)
@@ -41,7 +44,13 @@ struct SgdOp : cuda::OpBase {
   }
 
   __device__ void operator()(acc_t (&x)[Slots::kDepth], const Ctx& ctx) const {
-    sgd::update<acc_t>(x[sgd::kParam], x[sgd::kGrad] * ctx.grad_scale, x[sgd::kMomentum], ctx.h);
+    if constexpr (kRounded) {
+      sgd::update_rounded<P>(x[sgd::kParam], x[sgd::kGrad] * ctx.grad_scale, x[sgd::kMomentum],
+                             ctx.h);
+    } else {
+      sgd::update<acc_t>(x[sgd::kParam], x[sgd::kGrad] * ctx.grad_scale, x[sgd::kMomentum],
+                         ctx.h);
+    }
     if constexpr (Ty::has_out) x[sgd::kOut] = x[sgd::kParam];
   }
 };
@@ -62,7 +71,7 @@ void sgd_cuda(const TensorLists& lists, double lr, double momentum, double dampe
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
         if (momentum != 0.0) {
-          check_state_dtype<acc_t>(lists[kMomentum], "sgd", "momentum_buffer");
+          check_state_dtype<typename SgdOp<Ty>::Buf>(lists[kMomentum], "sgd", "momentum_buffer");
         }
         SgdOp<Ty> op;
         op.set_scalars(device, "sgd", lr_t, std::nullopt, grad_scale_t, found_inf_t);

@@ -333,33 +333,46 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _step_scalar(self, group: dict) -> int:
         return 0 if torch.is_tensor(group["step"]) else int(group["step"])
 
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of ``p``'s per-element state (docs/spec.md "State dtypes")."""
+        return acc_dtype(p.dtype)
+
     def _state_tensors(self, params: list) -> list[list[torch.Tensor]]:
-        """Per-element state of each param (created as zeros on first use), in slot order."""
+        """Per-element state of each param (created as zeros on first use), in slot order.
+
+        State takes the param's layout (``zeros_like``'s preserve_format, as torch.optim's).
+        """
         out: list[list[torch.Tensor]] = [[] for _ in self.state_names]
         for p in params:
             state = self.state[p]
             for k, name in enumerate(self.state_names):
                 if name not in state:
-                    state[name] = torch.zeros_like(p, dtype=acc_dtype(p.dtype))
+                    state[name] = torch.zeros_like(p, dtype=self._state_dtype(p))
                 out[k].append(state[name])
         return out
 
+    def _keeps_master(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is updated through an fp32 master (``master_weights``, fp16/bf16)."""
+        return self.master_weights and p.dtype in LOW_PRECISION
+
     def _masters(self, params: list) -> tuple[list, list | None]:
-        """(math params, low-precision outs): fp32 masters for fp16/bf16 params when enabled."""
-        if not self.master_weights or not any(p.dtype in LOW_PRECISION for p in params):
+        """(math params, outs): the fp32 master of each param that keeps one (the kernel writes
+        the rounded param into its out slot) and the param itself, with no out, for the others;
+        a group may mix both (one kernel call per dtype signature, in shardopt._ops)."""
+        if not any(self._keeps_master(p) for p in params):
             return params, None
-        if any(p.dtype not in LOW_PRECISION for p in params):
-            raise RuntimeError(
-                f"{type(self).__name__}(master_weights=True): a param group mixes low-precision "
-                "and fp32 params; put them in separate groups"
-            )
-        masters = []
+        masters, outs = [], []
         for p in params:
+            if not self._keeps_master(p):
+                masters.append(p)
+                outs.append(None)
+                continue
             state = self.state[p]
             if "master_param" not in state:
-                state["master_param"] = p.detach().float()
+                state["master_param"] = p.detach().float()  # preserve_format: p's layout
             masters.append(state["master_param"])
-        return masters, params
+            outs.append(p)
+        return masters, outs
 
     # -- state dict (torch.optim format and hooks) ------------------------------------------------
 
@@ -455,5 +468,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _restore_state_tensor(self, key: str, value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         if not value.is_floating_point():
             return value.to(device=p.device).clone()
-        dtype = torch.float32 if key == "master_param" else acc_dtype(p.dtype)
-        return value.to(device=p.device, dtype=dtype).clone()
+        dtype = torch.float32 if key == "master_param" else self._state_dtype(p)
+        value = value.to(device=p.device, dtype=dtype)
+        if (
+            type(value) is torch.Tensor
+            and value.shape == p.shape
+            and _ops.is_dense(p)
+            and not _ops.same_layout(value, p)
+        ):  # state saved for another layout of the param: take the param's, as new state does
+            return torch.empty_like(p, dtype=dtype).copy_(value)
+        return value.clone()

@@ -24,7 +24,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     ``max_grad_norm * scale``, and an overflow skips the step on the device.
 
     Args:
-        params: iterable of params or of param-group dicts (one dtype per group).
+        params: iterable of params or of param-group dicts; a group may mix dtypes (params of
+            ``reduced_precision_dtype`` get masters, the others are updated directly).
         lr: learning rate (stored as a device tensor).
         step: initial step count (stored as a device tensor).
         bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode, grad_averaging,
@@ -36,7 +37,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     groups added later by ``add_param_group``.
 
     Raises:
-        RuntimeError: a group mixing dtypes; ``amsgrad=True``; sparse grads.
+        RuntimeError: ``amsgrad=True``; sparse grads.
         TypeError: a tuple passed positionally into ``step`` (torch's argument order instead of
             Apex's).
         ValueError: as ``FusedLAMB``.
@@ -106,18 +107,9 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     def add_param_group(self, param_group: dict) -> None:
         """As ``FusedOptimizer.add_param_group``; the group's lr (its own, else the constructor's)
         and step (the constructor's ``step`` during construction, 0 after) become fp32 tensors on
-        the group's device, and all its params must share one dtype."""
-        index = len(self.param_groups)
+        the group's device. A group may mix dtypes, as Apex's."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        dtypes = {p.dtype for p in group["params"]}
-        if len(dtypes) > 1:
-            del self.param_groups[-1]
-            names = ", ".join(sorted(str(d) for d in dtypes))
-            raise RuntimeError(
-                f"FusedMixedPrecisionLamb: all params of a group must share one dtype; group "
-                f"{index} has {names}"
-            )
         device = group["params"][0].device if group["params"] else torch.device("cpu")
         lr = group["lr"]
         if torch.is_tensor(lr):  # Apex's rule: a tensor lr is kept (moved to the device)
@@ -135,7 +127,5 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             if not torch.is_tensor(group["lr"]):
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
 
-    def _masters(self, params: list) -> tuple[list, list | None]:
-        if self.reduced_precision_dtype is None or params[0].dtype != self.reduced_precision_dtype:
-            return params, None
-        return super()._masters(params)
+    def _keeps_master(self, p: torch.Tensor) -> bool:
+        return p.dtype == self.reduced_precision_dtype

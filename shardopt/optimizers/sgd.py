@@ -54,6 +54,9 @@ class FusedSGD(FusedOptimizer):
 
     A drop-in replacement for ``apex.optimizers.FusedSGD`` and ``torch.optim.SGD`` (same momentum
     convention: ``buf = momentum * buf + (1 - dampening) * g``; the first step sets ``buf = g``).
+    The momentum buffer has the param's dtype, as in both; for fp16/bf16 params the update rounds
+    to that dtype where ``torch.optim.SGD(foreach=False)``'s tensor ops round, so it gives torch's
+    bits (docs/spec.md "FusedSGD").
 
     Args:
         params: iterable of params or of param-group dicts.
@@ -118,6 +121,11 @@ class FusedSGD(FusedOptimizer):
         )
         self.materialize_master_grads = materialize_master_grads
         super().__init__(params, defaults, set_grad_none=set_grad_none)
+
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The param's dtype, as torch.optim.SGD and Apex's FusedSGD keep the momentum buffer; for
+        fp16/bf16 params the kernel also rounds where torch.optim.SGD's tensor ops round."""
+        return p.dtype
 
     def _update_group(self, group: dict, params: list, grads: list) -> None:
         scale = -1.0 if group.get("maximize", False) else 1.0
