@@ -61,7 +61,7 @@ OPTIMIZERS = ["adam", "sgd", "adagrad", "lamb", "novograd"]
 NORM_KERNELS = ["norm", "scale"]
 
 CPU_SOURCES = (
-    ["bindings.cpp"]
+    ["bindings.cpp", "multi_tensor/checks.cpp"]
     + [f"optim/{name}_cpu.cpp" for name in OPTIMIZERS]
     + [f"norm/{name}_cpu.cpp" for name in NORM_KERNELS]
 )

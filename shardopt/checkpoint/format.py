@@ -56,11 +56,15 @@ def _fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, write) -> None:
     """Writes via ``write(file)`` to a temporary name, fsyncs, and renames into place."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (ENOSPC) leaves nothing behind
+        raise
     _fsync_dir(path.parent)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from shardopt.checkpoint import format as fmt
 from shardopt.checkpoint.format import CheckpointError
+from shardopt.optimizers.fused_optimizer import check_loaded_groups
 from shardopt.zero import comm
 from shardopt.zero.engine import DistributedOptimizer
 from shardopt.zero.layout import Range
@@ -138,6 +139,8 @@ def save(
             item.update({n: t.detach().cpu().clone() for n, t in frag.tensors.items()})
             payload.append(item)
             fragments.append([frag.param, r.start, r.end])
+        # every rank's groups must be storable (a value only one rank holds fails there)
+        fmt.encode_metadata(optimizer.export_param_groups(), path / fmt.METADATA)
         if ranks.writes:
             written.append(_pending(path / name))
             entry = fmt.save_tensors(written[-1], {"fragments": payload})
@@ -163,27 +166,33 @@ def save(
         _remove(*written)
         raise
 
-    # publish: unpublish the old checkpoint, move the new files into place, write metadata last
+    # publish: unpublish the old checkpoint, move the new files into place, write metadata last;
+    # a failure removes this save's files everywhere
+    placed = [path / p.name[1 : -len(".pending")] for p in written]
     error = None
     try:
         if ranks.publishes:
             _remove(path / fmt.METADATA)
         ranks.agree(None, f"save to {path}")
-        for pending in written:
-            os.replace(pending, path / pending.name[1 : -len(".pending")])
+        for pending, final in zip(written, placed):
+            os.replace(pending, final)
     except CheckpointError:
         _remove(*written)
         raise
     except Exception as e:
         error = e
-    ranks.agree(error, f"save to {path}")
-    error = None
-    if ranks.publishes:
-        try:
-            fmt.write_metadata_text(path, text)
-        except Exception as e:
-            error = e
-    ranks.agree(error, f"save to {path}")
+    try:
+        ranks.agree(error, f"save to {path}")
+        error = None
+        if ranks.publishes:
+            try:
+                fmt.write_metadata_text(path, text)
+            except Exception as e:
+                error = e
+        ranks.agree(error, f"save to {path}")
+    except CheckpointError:
+        _remove(*written, *placed)
+        raise
 
 
 def _metadata(optimizer, model, world: int, files: dict, gathered: list) -> dict[str, Any]:
@@ -268,6 +277,8 @@ def load(
     try:
         metadata = fmt.read_metadata(path)
         check_compatible(metadata, optimizer, path)
+        check_loaded_groups(metadata["param_groups"], optimizer.param_groups, str(path))
+        _check_hyperparameters(metadata["param_groups"], optimizer.defaults, path)
         mine: dict[int, list[Range]] = {}
         for frag in optimizer.shard_fragments():
             mine.setdefault(frag.param, []).append(frag.param_range)
@@ -303,6 +314,23 @@ def load(
         error = e
     ranks.agree(error, f"load from {path}")
     optimizer.publish_masters()
+
+
+def _check_hyperparameters(groups: list, defaults: dict, path: Path) -> None:
+    """Every saved group holds each hyperparameter of the optimizer, of the default's kind."""
+    for i, group in enumerate(groups):
+        for name, default in defaults.items():
+            value = group.get(name)
+            if name not in group:
+                raise CheckpointError(f"{path}: param group {i} has no '{name}'")
+            numeric = isinstance(default, (int, float)) or torch.is_tensor(default)
+            if numeric and (
+                isinstance(value, bool) != isinstance(default, bool)
+                or not (isinstance(value, (int, float)) or torch.is_tensor(value))
+            ):
+                raise CheckpointError(
+                    f"{path}: param group {i}: '{name}' must be like {default!r}, got {value!r}"
+                )
 
 
 def _check_model_state(model: torch.nn.Module, saved: dict[str, Any], path: Path) -> None:

@@ -14,6 +14,7 @@ read the scale without a host sync or to report its inf/nan decision to ``scaler
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,7 @@ class AmpClip:
         self.capturable = capturable
         #: the GradScaler last handed to step() (to answer clip_grad_norm after unscale_)
         self._scaler = None
+        self._searched = False
         self.reset()
 
     def reset(self) -> None:
@@ -105,11 +107,24 @@ class AmpClip:
         self.max_norm = float(max_norm)
         norm = self.grad_norm()
         scaler = grad_scaler if grad_scaler is not None else self._scaler
+        if scaler is None and not self._searched:
+            scaler = self._search_scaler(optimizer)
         if scaler is not None and scaler.is_enabled():
             link = _ScalerLink(scaler, self.sharded.device)
             if link.unscaled(optimizer):
                 norm = norm / link.scale().reshape(())
         return norm
+
+    def _search_scaler(self, optimizer):
+        """The first clip of a run, before any step() handed the scaler over: the GradScaler
+        that ``unscale_``-d this optimizer, found once among the live objects."""
+        self._searched = True
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.amp.GradScaler) and obj.is_enabled():
+                if _ScalerLink(obj, self.sharded.device).unscaled(optimizer):
+                    self._scaler = obj
+                    return obj
+        return None
 
     def step_scalars(self, optimizer, grad_scaler, needs_grad_norm: bool) -> StepScalars:
         """The scalars of this step; reports the overflow decision to the scaler."""

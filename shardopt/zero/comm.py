@@ -107,3 +107,15 @@ def all_gather_object(obj, group: ProcessGroup | None) -> list:
 def barrier() -> None:
     """A barrier over every process (checkpoint publication)."""
     dist.barrier()
+
+
+def raise_if_any(error: Exception | None, group: ProcessGroup | None) -> None:
+    """Collective: re-raises ``error`` here, and on every other rank raises the same type naming
+    the first rank that failed (so a check that fails on one rank never hangs the others)."""
+    errors = all_gather_object(None if error is None else (type(error), str(error)), group)
+    if error is not None:
+        raise error
+    for r, e in enumerate(errors):
+        if e is not None:
+            kind, message = e
+            raise kind(f"rank {r} failed: {message}")

@@ -27,8 +27,9 @@ before ``step()`` returns, so forward, backward and step can be captured in one 
 Note: the params are the truth. A write into a param after the optimizer exists
 (``model.load_state_dict``, an in-place init, a param re-bound with ``p.data = ...``) must not be
 undone by a master: at the next step each master is kept only where it still rounds to its param,
-else it takes the param's value. Writes are seen through the version counter of the key's param
-buffer (shared by every param of the key); writes through ``p.data`` bypass it and are not seen.
+else it takes the param's value. Writes are seen through each param's version counter (the
+optimizer's own writes go into the buffer and do not move it); writes through ``p.data`` bypass
+it and are not seen.
 """
 
 from __future__ import annotations
@@ -86,25 +87,16 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         process_group = apex["process_group"]
         apex_compat.check_apex_groups(name, whole_group, process_group, redundant_process_group)
         super().__init__(params, defaults)
-        check_param_dtypes(self.param_groups, name)
-        if dtype != torch.float32:
-            raise TypeError(
-                f"{name}: dtype (master/state dtype) must be torch.float32, got {dtype} "
-                "(16-bit optimizer state is not implemented)"
-            )
-        for arg, value in (
-            ("grad_sync_dtype", grad_sync_dtype),
-            ("param_sync_dtype", param_sync_dtype),
-        ):
-            if value not in FLOAT_DTYPES:
-                raise TypeError(f"{name}: {arg} must be a floating dtype, got {value}")
-        if capturable and overlap_param_sync:
-            raise ValueError(
-                f"{name}: capturable=True needs the param all-gathers to finish inside step() "
-                "(a CUDA graph must join all its work); use overlap_param_sync=False"
-            )
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"{name}: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        error = None
+        try:  # a setting wrong on one rank only must fail on every rank, not hang the others
+            check_param_dtypes(self.param_groups, name)
+            _check_settings(
+                name, dtype, grad_sync_dtype, param_sync_dtype, capturable, overlap_param_sync,
+                bucket_cap_mb,
+            )  # fmt: skip
+        except (TypeError, ValueError) as e:
+            error = e
+        comm.raise_if_any(error, process_group)
         self.process_group = process_group
         self.redundant_process_group = redundant_process_group
         self.config = ShardingConfig(
@@ -262,10 +254,22 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             with torch.enable_grad():
                 loss = closure()
         self.wait_param_sync()
-        self.sharded.refresh_masters()
+        binding_error = None
+        try:
+            self.sharded.refresh_masters()
+        except RuntimeError as e:  # raised below on every rank, after the collectives they share
+            binding_error = e
         self.grad_sync.finish()
         if self.config.skip_unused_params:
-            self.update_calls.begin(self.grad_sync.unused_params())
+            unused, failed = self.grad_sync.unused_params(failed=binding_error is not None)
+            if failed:
+                raise binding_error or RuntimeError(
+                    f"{type(self).__name__}: another rank found a param replaced by a tensor of "
+                    "another shape, dtype or device (its error names the param); no rank steps"
+                )
+            self.update_calls.begin(unused)
+        elif binding_error is not None:
+            raise binding_error
         scalars = self.amp.step_scalars(self, grad_scaler, self.needs_grad_norm)
         for group in self.param_groups:
             if scalars.found_inf_t is None:
@@ -351,3 +355,26 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         from shardopt.checkpoint.dcp import load_sharded_state_dict
 
         load_sharded_state_dict(self, state_dict, model)
+
+
+def _check_settings(
+    name, dtype, grad_sync_dtype, param_sync_dtype, capturable, overlap_param_sync, bucket_cap_mb
+) -> None:
+    if dtype != torch.float32:
+        raise TypeError(
+            f"{name}: dtype (master/state dtype) must be torch.float32, got {dtype} "
+            "(16-bit optimizer state is not implemented)"
+        )
+    for arg, value in (
+        ("grad_sync_dtype", grad_sync_dtype),
+        ("param_sync_dtype", param_sync_dtype),
+    ):
+        if value not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: {arg} must be a floating dtype, got {value}")
+    if capturable and overlap_param_sync:
+        raise ValueError(
+            f"{name}: capturable=True needs the param all-gathers to finish inside step() "
+            "(a CUDA graph must join all its work); use overlap_param_sync=False"
+        )
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"{name}: bucket_cap_mb must be positive, got {bucket_cap_mb}")

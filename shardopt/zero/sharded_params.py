@@ -263,9 +263,11 @@ class ShardedParams:
     # -- params changed after construction (see Note: the params are the truth) ------------------
 
     def note_params_published(self) -> None:
-        """Remembers the params' version counters once the optimizer wrote them (all of a key's
-        params share its buffer's counter), so ``refresh_masters`` sees any later write."""
-        self._versions = [key.buffers.param_space._version for key in self.keys]
+        """Remembers the params' version counters once the optimizer wrote them, so
+        ``refresh_masters`` sees any later write through a param (a param re-bound with
+        ``p.data = view`` keeps its own counter: the optimizer's writes into the buffer do not
+        move it, a user's write into the param does)."""
+        self._versions = [p._version for p in self.params]
 
     def check_bindings(self) -> list[int]:
         """Re-binds params that were re-bound to other tensors of the same shape, dtype and
@@ -298,9 +300,9 @@ class ShardedParams:
         their own masters."""
         rebound = self.check_bindings()
         changed = {self.param_key[i].index for i in rebound}
-        for key, seen in zip(self.keys, self._versions):
-            if key.buffers.param_space._version != seen:
-                changed.add(key.index)
+        for i, (p, seen) in enumerate(zip(self.params, self._versions)):
+            if p._version != seen:
+                changed.add(self.param_key[i].index)
         for key in self.keys:
             buf = key.buffers
             if buf.master_is_param or not (force or key.index in changed):

@@ -208,7 +208,9 @@ class StateIO:
                 float(saved_state[pid].get("step", -1)) if pid in saved_state else 0.0
                 for pid in sg["params"]
             ]
-            if "step" not in sg:
+            if "step" not in sg or max(steps + [0.0]) > float(sg["step"]):
+                # (a torch.optim optimizer that loaded ours keeps our group "step" unchanged
+                # while it counts the per-param steps on)
                 sg["step"] = max(steps + [0.0])
             if PARAM_STEPS not in sg:
                 sg[PARAM_STEPS] = [s if s >= 0 else sg["step"] for s in steps]
