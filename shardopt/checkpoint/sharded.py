@@ -292,6 +292,13 @@ def load(
         error = e
     ranks.agree(error, f"load from {path}")
 
+    # what is changed below, kept until every rank applied the checkpoint (transient: one copy
+    # of this rank's shard and of the model), so a failure anywhere restores every rank
+    backup = [{n: v.clone() for n, v in f.tensors.items()} for f in optimizer.shard_fragments()]
+    groups_backup = optimizer.export_param_groups()
+    model_backup = None
+    if model_state is not None:
+        model_backup = {k: v.clone() for k, v in model.state_dict().items()}
     error = None
     try:
         if model_state is not None:
@@ -312,7 +319,18 @@ def load(
         optimizer.import_param_groups(metadata["param_groups"])
     except Exception as e:
         error = e
-    ranks.agree(error, f"load from {path}")
+    try:
+        ranks.agree(error, f"load from {path}")
+    except CheckpointError:
+        with torch.no_grad():
+            for frag, saved in zip(optimizer.shard_fragments(), backup):
+                for n, view in frag.tensors.items():
+                    view.copy_(saved[n])
+        # the class's method: the instance's may be what failed (a wrapper, a patch)
+        type(optimizer).import_param_groups(optimizer, groups_backup)
+        if model_backup is not None:
+            model.load_state_dict(model_backup)
+        raise
     optimizer.publish_masters()
 
 

@@ -46,7 +46,7 @@ from shardopt.zero import apex_compat, comm, sharded_params, torch_clip
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
-from shardopt.zero.sharded_params import Key, ShardedParams, ShardingConfig
+from shardopt.zero.sharded_params import Key, ParamReboundError, ShardedParams, ShardingConfig
 from shardopt.zero.state_io import StateIO
 from shardopt.zero.update_calls import Call, UpdateCalls
 
@@ -257,15 +257,17 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         binding_error = None
         try:
             self.sharded.refresh_masters()
-        except RuntimeError as e:  # raised below on every rank, after the collectives they share
+        except ParamReboundError as e:  # raised below on every rank, after the shared collectives
             binding_error = e
         self.grad_sync.finish()
         if self.config.skip_unused_params:
-            unused, failed = self.grad_sync.unused_params(failed=binding_error is not None)
-            if failed:
+            failed = None if binding_error is None else binding_error.param
+            unused, failed = self.grad_sync.unused_params(failed)
+            if failed is not None:
                 raise binding_error or RuntimeError(
-                    f"{type(self).__name__}: another rank found a param replaced by a tensor of "
-                    "another shape, dtype or device (its error names the param); no rank steps"
+                    f"{type(self).__name__}: param {failed} was replaced on another rank by a "
+                    "tensor of another shape, dtype or device (that rank's error says how); no "
+                    "rank steps"
                 )
             self.update_calls.begin(unused)
         elif binding_error is not None:

@@ -232,20 +232,22 @@ class GradSync:
                 comm.all_reduce(key.buffers.grad_shard, self.redundant_process_group)
         it.synced = True
 
-    def unused_params(self, failed: bool = False) -> tuple[frozenset[int], bool]:
+    def unused_params(self, failed: int | None = None) -> tuple[frozenset[int], int | None]:
         """Params no rank computed a grad for in this iteration (see Note: skipped params in
-        update_calls.py), and whether any rank reported ``failed``: one all-reduce of a flag per
-        param (plus one) and a host sync. Collective."""
+        update_calls.py), and the param some rank reported as ``failed`` (None if none): one
+        all-reduce of a flag per param (plus one) and a host sync. Collective."""
         n = len(self.sharded.params)
         flags = torch.zeros(n + 1, dtype=torch.float32)
         if self.iteration.touched:
             flags[list(self.iteration.touched)] = 1.0
-        flags[n] = float(failed)
+        flags[n] = 0.0 if failed is None else float(failed + 1)
         flags = flags.to(self.sharded.device)
         comm.all_reduce(flags, self.process_group, op="max")
         if self.redundant_process_group is not None:
             comm.all_reduce(flags, self.redundant_process_group, op="max")
-        return frozenset((flags[:n] == 0).nonzero().flatten().tolist()), bool(flags[n] > 0)
+        reported = int(flags[n].item())
+        unused = frozenset((flags[:n] == 0).nonzero().flatten().tolist())
+        return unused, (reported - 1 if reported else None)
 
     def _stray_grad_message(self, p: torch.Tensor) -> str:
         owner = self.sharded.owner

@@ -50,6 +50,14 @@ def release(params: list[torch.Tensor], owner) -> None:
             del _OWNERS[id(p)]
 
 
+class ParamReboundError(RuntimeError):
+    """A param was replaced by a tensor that cannot be a view of its buffer."""
+
+    def __init__(self, param: int, message: str) -> None:
+        super().__init__(message)
+        self.param = param  # index among all params
+
+
 @dataclass
 class Key:
     """One (param group, param dtype) set of params, its plan and its buffers."""
@@ -279,12 +287,13 @@ class ShardedParams:
                 continue
             view = self.views[i]
             if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
-                raise RuntimeError(
+                raise ParamReboundError(
+                    self.all_index[i],
                     f"{self.owner}: param {self.all_index[i]} was replaced after the optimizer "
                     f"was built by a tensor of another shape, dtype or device ({tuple(p.shape)} "
                     f"{p.dtype} on {p.device}; the optimizer holds {tuple(view.shape)} "
                     f"{view.dtype} on {view.device}); move or cast the model before building "
-                    "the optimizer"
+                    "the optimizer",
                 )
             with torch.no_grad():
                 view.copy_(p.data)
