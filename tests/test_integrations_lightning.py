@@ -231,7 +231,7 @@ def refit_same_module(out):
 
     ref, ref_norms, _ = two_fits(False)
     got, norms, kept = two_fits(True)
-    assert len(kept) == 2 and kept[0]._closed and not kept[1]._closed
+    assert len(kept) == 2 and kept[0].closed and not kept[1].closed
     _close(got, ref, "params (two fits)")
     _close(norms, ref_norms, "grad norms (two fits)")
 

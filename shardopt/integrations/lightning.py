@@ -180,7 +180,7 @@ class ShardoptStrategy(DDPStrategy):
             log.info("shardopt: closing the %s of an earlier fit", type(opt).__name__)
             opt.close()
         super().setup_optimizers(trainer)
-        if any(opt._closed for opt in self.shardopt_optimizers()):
+        if any(opt.closed for opt in self.shardopt_optimizers()):
             raise RuntimeError(
                 "ShardoptStrategy: configure_optimizers returned a DistributedFused* optimizer of "
                 "an earlier fit, which was closed at the start of this one; build a new optimizer "

@@ -178,6 +178,11 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             )
         super().add_param_group(param_group)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (the optimizer no longer syncs grads)."""
+        return self.grad_sync.closed
+
     def close(self) -> None:
         """Removes the grad hooks and finishes in-flight param sync (the optimizer is unusable)."""
         self.wait_param_sync()
