@@ -120,7 +120,8 @@ class AmpClip:
         that ``unscale_``-d this optimizer, found once among the live objects."""
         self._searched = True
         for obj in gc.get_objects():
-            if isinstance(obj, torch.amp.GradScaler) and obj.is_enabled():
+            # type(), not isinstance(): a dead weakref.proxy raises on any attribute access
+            if issubclass(type(obj), torch.amp.GradScaler) and obj.is_enabled():
                 if _ScalerLink(obj, self.sharded.device).unscaled(optimizer):
                     self._scaler = obj
                     return obj
