@@ -319,6 +319,12 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             return {"lr": 0.0, "lr_t": device_lr(lr, self.device)}
         return {"lr": float(lr)}
 
+    def _each_call(self) -> Iterator[tuple[dict, Any, Call]]:
+        """(group, buffers, call) of every elementwise kernel call of this step, key by key."""
+        for key in self.keys:
+            for call in self._calls(key):
+                yield self.param_groups[key.group_index], key.buffers, call
+
     def _calls(self, key: Key, per_tensor: bool = False) -> list[Call]:
         """This step's kernel calls over ``key`` (see Note: skipped params in update_calls.py):
         per bucket chunk, or per fragment for rules with per-tensor norms."""

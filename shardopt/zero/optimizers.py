@@ -104,20 +104,18 @@ class DistributedFusedAdam(DistributedOptimizer):
         super().__init__(params, defaults, **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
-        for key in self.keys:
-            group, buf = self.param_groups[key.group_index], key.buffers
-            for call in self._calls(key):
-                adam_apply(
-                    group,
-                    call.of(buf.grad_shard),
-                    call.of(buf.master),
-                    call.of(buf.state["exp_avg"]),
-                    call.of(buf.state["exp_avg_sq"]),
-                    call.outs(),
-                    step=0,
-                    **self._lr(group),
-                    **self._kernel_scalars(group, call, scalars),
-                )
+        for group, buf, call in self._each_call():
+            adam_apply(
+                group,
+                call.of(buf.grad_shard),
+                call.of(buf.master),
+                call.of(buf.state["exp_avg"]),
+                call.of(buf.state["exp_avg_sq"]),
+                call.outs(),
+                step=0,
+                **self._lr(group),
+                **self._kernel_scalars(group, call, scalars),
+            )
 
 
 class DistributedFusedSGD(DistributedOptimizer):
@@ -210,19 +208,17 @@ class DistributedFusedAdagrad(DistributedOptimizer):
         super().__init__(params, defaults, **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
-        for key in self.keys:
-            group, buf = self.param_groups[key.group_index], key.buffers
-            for call in self._calls(key):
-                adagrad_apply(
-                    group,
-                    call.of(buf.grad_shard),
-                    call.of(buf.master),
-                    call.of(buf.state["sum"]),
-                    call.outs(),
-                    **self._lr(group),
-                    grad_scale_t=scalars.grad_scale_t,
-                    found_inf_t=scalars.found_inf_t,
-                )
+        for group, buf, call in self._each_call():
+            adagrad_apply(
+                group,
+                call.of(buf.grad_shard),
+                call.of(buf.master),
+                call.of(buf.state["sum"]),
+                call.outs(),
+                **self._lr(group),
+                grad_scale_t=scalars.grad_scale_t,
+                found_inf_t=scalars.found_inf_t,
+            )
 
 
 class DistributedFusedLAMB(DistributedOptimizer):
