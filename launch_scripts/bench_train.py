@@ -238,6 +238,38 @@ def setup_shardopt_adam_graph(model, device, args) -> Setup:
     return setup
 
 
+def _compact(model, args, params_bf16: bool, **storage) -> Setup:
+    """Adam with grad and param overlap over compact storage (README: memory per parameter)."""
+    if params_bf16:
+        model.to(torch.bfloat16)
+    setup = _shardopt(
+        "DistributedFusedAdam", model, args, overlap_grad_sync=True, overlap_param_sync=True,
+        **storage,
+    )  # fmt: skip
+    setup.settings.update(storage, params="bf16" if params_bf16 else "fp32")
+    return setup
+
+
+def setup_shardopt_adam_scaled(model, device, args) -> Setup:
+    return _compact(model, args, False, with_scaled_states=True)
+
+
+def setup_shardopt_adam_int8(model, device, args) -> Setup:
+    return _compact(model, args, False, state_format="int8")
+
+
+def setup_shardopt_adam_bf16(model, device, args) -> Setup:
+    return _compact(model, args, True)
+
+
+def setup_shardopt_adam_bf16_remainders(model, device, args) -> Setup:
+    return _compact(model, args, True, store_param_remainders=True)
+
+
+def setup_shardopt_adam_bf16_remainders_int8(model, device, args) -> Setup:
+    return _compact(model, args, True, store_param_remainders=True, state_format="int8")
+
+
 def setup_shardopt_lamb(model, device, args) -> Setup:
     return _shardopt("DistributedFusedLAMB", model, args)
 
@@ -268,6 +300,15 @@ MODES: dict[str, Callable[[nn.Module, torch.device, argparse.Namespace], Setup]]
     "shardopt_adam_graph": setup_shardopt_adam_graph,
     "shardopt_lamb": setup_shardopt_lamb,
 }
+DEFAULT_MODES = list(MODES)
+# compact storage (issue 17; README: memory per parameter), run when --modes names them
+MODES.update(
+    shardopt_adam_scaled=setup_shardopt_adam_scaled,
+    shardopt_adam_int8=setup_shardopt_adam_int8,
+    shardopt_adam_bf16=setup_shardopt_adam_bf16,
+    shardopt_adam_bf16_remainders=setup_shardopt_adam_bf16_remainders,
+    shardopt_adam_bf16_remainders_int8=setup_shardopt_adam_bf16_remainders_int8,
+)
 BIG_BUCKET_SCALE = 4  # shardopt_adam_overlap_big: buckets of 4x the bucket cap
 
 
@@ -606,7 +647,9 @@ def parse_args() -> argparse.Namespace:
         help="cuda (NCCL) or cpu (gloo); default: cuda when available",
     )
     parser.add_argument(
-        "--modes", default=",".join(MODES), help=f"comma-separated modes from {','.join(MODES)}"
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated modes from {','.join(MODES)}",
     )
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per mode")

@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--warmup", type=nonnegative_int, default=20, help="linear warmup steps")
     g.add_argument(
+        "--state-format",
+        choices=["fp32", "bf16", "fp16", "scaled_fp16", "int8"],
+        default=None,
+        help="how DistributedFusedAdam stores its moments (default fp32; docs/api.md)",
+    )
+    g.add_argument(
         "--hsdp",
         action="store_true",
         help="HSDP: shard the optimizer within groups of --shard-size consecutive ranks (a node), "
@@ -210,6 +216,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--resume {args.resume}: not a complete checkpoint folder")
     if args.hsdp and args.baseline == "ddp":
         parser.error("--hsdp shards the ZeRO optimizer; it does not apply to --baseline ddp")
+    if args.state_format not in (None, "fp32") and (
+        args.baseline == "ddp" or args.optimizer != "adam"
+    ):
+        parser.error("--state-format applies to the ZeRO Adam optimizer (--optimizer adam)")
     if args.shard_size is not None and not args.hsdp:
         parser.error("--shard-size needs --hsdp")
     if args.hsdp and args.shard_size is None and "LOCAL_WORLD_SIZE" not in os.environ:
@@ -298,6 +308,8 @@ def build_optimizer(args: argparse.Namespace, model: GPT) -> torch.optim.Optimiz
     name = "Distributed" + spec.class_name
     if not hasattr(shardopt, name):
         raise SystemExit(f"this shardopt has no {name}; run with --baseline ddp")
+    if args.state_format is not None:
+        kwargs["state_format"] = args.state_format
     if args.hsdp:
         from shardopt.zero import hsdp_groups
 

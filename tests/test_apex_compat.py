@@ -70,15 +70,14 @@ def apex_script_matches_ddp(rank, world):
 
 def refused_and_checked_arguments(rank, world):
     """Options whose meaning is not kept raise, naming the argument; wrong groups or devices
-    are clear errors; a per-param dtype different from the optimizer's is refused."""
+    are clear errors; a per-param dtype different from the optimizer's is refused. (Apex's
+    store_param_remainders, with_scaled_states and 16-bit dtype: tests/test_compact_state.py.)"""
     for kw, error, match in (
-        (dict(store_param_remainders=True), NotImplementedError, "store_param_remainders"),
-        (dict(with_scaled_states=True), NotImplementedError, "with_scaled_states"),
         (dict(nccl_ub=True), NotImplementedError, "nccl_ub"),
         (dict(pipeline_size=0), ValueError, "pipeline_size"),
         (dict(device="meta"), ValueError, "device='meta'"),
         (dict(no_such_option=1), TypeError, "no_such_option"),
-        (dict(dtype=torch.bfloat16), TypeError, "16-bit optimizer state"),
+        (dict(dtype=torch.float64), TypeError, "dtype"),
     ):
         with pytest.raises(error, match=match):
             shardopt.DistributedFusedAdam(_model().parameters(), **kw)

@@ -104,7 +104,7 @@ def _exchange(optimizer, direction: str, locals_: dict[int, dict[str, torch.Tens
     ``"save"`` (fragments -> chunks) or ``"load"`` (chunks -> fragments). Collective."""
     rank, world = optimizer.rank, optimizer.world_size
     frags: dict[int, list] = {}
-    for frag in optimizer.shard_fragments():
+    for frag in optimizer.shard_fragments(writable=direction == "load"):
         frags.setdefault(frag.param, []).append(frag)
     trainable = sorted(locals_)
     for batch in _batches(optimizer, trainable):

@@ -304,7 +304,7 @@ def load(
         if model_state is not None:
             model.load_state_dict(model_state)
         with torch.no_grad():
-            for frag in optimizer.shard_fragments():
+            for frag in optimizer.shard_fragments(writable=True):
                 for payload in payloads:
                     for saved in payload["fragments"]:
                         if saved["param"] != frag.param:
@@ -323,7 +323,7 @@ def load(
         ranks.agree(error, f"load from {path}")
     except CheckpointError:
         with torch.no_grad():
-            for frag, saved in zip(optimizer.shard_fragments(), backup):
+            for frag, saved in zip(optimizer.shard_fragments(writable=True), backup):
                 for n, view in frag.tensors.items():
                     view.copy_(saved[n])
         # the class's method: the instance's may be what failed (a wrapper, a patch)

@@ -16,7 +16,10 @@ Mapping (Apex argument -> shardopt):
     memory than either Apex mode); both values are accepted;
   - ``store_params`` (True): fp32 params gathered in fp32 never keep a separate master (Apex's
     False); low-precision params always keep an fp32 master (Apex's True); both accepted;
-  - ``store_param_remainders``, ``with_scaled_states``: refused (not implemented);
+  - ``store_param_remainders``, ``with_scaled_states``: Apex's meanings (int16 remainders instead
+    of fp32 masters for bf16 params; 16-bit moments with per-block scales), on
+    DistributedFusedAdam (see Note: compact storage in state_storage.py); the other classes
+    refuse them;
   - ``nccl_ub``: False accepted; True needs NCCL user-buffer registration through torch's NCCL
     memory pool, refused with the reason;
   - ``device``: must be the params' device.
@@ -56,12 +59,6 @@ def resolve(owner: str, process_group, apex: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"{owner}.__init__() got unexpected keyword arguments {sorted(unknown)}")
     opts = {**APEX_DEFAULTS, **apex}
-    for name in ("store_param_remainders", "with_scaled_states"):
-        if opts[name]:
-            raise NotImplementedError(
-                f"{owner}: {name}=True is not implemented; the fp32 master and fp32 state are "
-                "kept (see memory_bytes() for what this optimizer holds)"
-            )
     if opts["nccl_ub"]:
         raise NotImplementedError(
             f"{owner}: nccl_ub=True (NCCL user-buffer registration) is not implemented: the "
@@ -74,7 +71,13 @@ def resolve(owner: str, process_group, apex: dict[str, Any]) -> dict[str, Any]:
     distributed = opts["distributed_process_group"]
     if distributed is not None:
         shard_group = distributed
-    return {"process_group": shard_group, "pipeline_size": pipeline, "device": opts["device"]}
+    return {
+        "process_group": shard_group,
+        "pipeline_size": pipeline,
+        "device": opts["device"],
+        "store_param_remainders": bool(opts["store_param_remainders"]),
+        "with_scaled_states": bool(opts["with_scaled_states"]),
+    }
 
 
 def check_apex_groups(owner: str, whole, shard, redundant) -> None:

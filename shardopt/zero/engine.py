@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
-from shardopt.zero import apex_compat, comm, sharded_params, torch_clip
+from shardopt.zero import apex_compat, comm, sharded_params, state_storage, torch_clip
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
@@ -57,6 +57,10 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
     """Common engine of the ZeRO-sharded optimizers (not used directly)."""
 
     state_names: tuple[str, ...] = ()
+    #: per state, whether it takes negative values (the 8-bit quantisation map it uses)
+    state_signed: dict[str, bool] = {}
+    #: whether the update rule runs on compact storage (remainders, 16-bit and 8-bit states)
+    compact_storage: bool = False
     needs_grad_norm: bool = False  # LAMB's built-in clipping
     # torch.amp.GradScaler hands itself to step(grad_scaler=...): grads live in our buffers, so the
     # overflow check and unscaling happen inside the step (same decision on every rank).
@@ -78,6 +82,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         overlap_param_sync: bool = False,
         capturable: bool = False,
         skip_unused_params: bool = True,
+        state_format: str | None = None,
         **apex_args: Any,
     ) -> None:
         name = type(self).__name__
@@ -87,14 +92,22 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         process_group = apex["process_group"]
         apex_compat.check_apex_groups(name, whole_group, process_group, redundant_process_group)
         super().__init__(params, defaults)
-        error = None
+        error, storage = None, None
         try:  # a setting wrong on one rank only must fail on every rank, not hang the others
             check_param_dtypes(self.param_groups, name)
             _check_settings(
-                name, dtype, grad_sync_dtype, param_sync_dtype, capturable, overlap_param_sync,
+                name, grad_sync_dtype, param_sync_dtype, capturable, overlap_param_sync,
                 bucket_cap_mb,
             )  # fmt: skip
-        except (TypeError, ValueError) as e:
+            storage = state_storage.resolve(
+                name,
+                dtype=dtype,
+                store_param_remainders=apex["store_param_remainders"],
+                with_scaled_states=apex["with_scaled_states"],
+                state_format=state_format,
+                supported=self.compact_storage,
+            )
+        except (TypeError, ValueError, NotImplementedError) as e:
             error = e
         comm.raise_if_any(error, process_group)
         self.process_group = process_group
@@ -109,11 +122,13 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             overlap_param_sync=overlap_param_sync,
             capturable=capturable,
             skip_unused_params=skip_unused_params and not capturable,
+            storage=storage,
         )
         self.sharded = ShardedParams(
             self.param_groups,
             self.config,
             self.state_names,
+            state_signed=self.state_signed,
             process_group=process_group,
             redundant_process_group=redundant_process_group,
             owner=name,
@@ -163,6 +178,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     # settings read by scripts and benchmarks
     state_dtype = property(lambda self: self.config.state_dtype)
+    storage = property(lambda self: self.config.storage)
     bucket_cap_mb = property(lambda self: self.config.bucket_cap_mb)
     capturable = property(lambda self: self.config.capturable)
     overlap_grad_sync = property(lambda self: self.config.overlap_grad_sync)
@@ -258,6 +274,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.drop_staged()
         self.wait_param_sync()
         binding_error = None
         try:
@@ -371,13 +388,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
 
 def _check_settings(
-    name, dtype, grad_sync_dtype, param_sync_dtype, capturable, overlap_param_sync, bucket_cap_mb
+    name, grad_sync_dtype, param_sync_dtype, capturable, overlap_param_sync, bucket_cap_mb
 ) -> None:
-    if dtype != torch.float32:
-        raise TypeError(
-            f"{name}: dtype (master/state dtype) must be torch.float32, got {dtype} "
-            "(16-bit optimizer state is not implemented)"
-        )
     for arg, value in (
         ("grad_sync_dtype", grad_sync_dtype),
         ("param_sync_dtype", param_sync_dtype),

@@ -11,10 +11,12 @@ Per key:
     backward passes only under ``no_sync``); there is no full-size gradient buffer;
   - ``grad_shard``: this rank's reduce-scattered (summed) gradient chunks, also transient: allocated
     by the first reduce-scatter of an iteration and released at the end of ``step()``;
-  - ``master`` and one tensor per optimizer state: this rank's shard in the state dtype. When the
-    params are fp32 and gathered in fp32 the master is not a copy: it is this rank's chunks of
+  - ``master`` and one tensor per optimizer state: this rank's shard (see Note: compact storage
+    in state_storage.py for the kinds and formats). When the params are their own masters (fp32
+    params gathered in fp32) the master is not a copy: it is this rank's chunks of
     ``param_space`` (a ``ChunkedShard``), so the kernel updates the params in place and the
-    all-gather runs in place.
+    all-gather runs in place; with int16 remainders the master is those chunks plus
+    ``remainder``; blockwise state formats add per-block ``scales``.
 
 A shard is either a flat tensor or a ``ChunkedShard``; take views of it only through
 ``shard_slice`` / ``shard_of_bucket`` / ``per_bucket`` / ``per_fragment``.
@@ -26,7 +28,9 @@ import bisect
 
 import torch
 
+from shardopt import state_codec
 from shardopt.zero.layout import Bucket, Fragment, KeyLayout, Range
+from shardopt.zero.state_storage import Storage
 
 
 def _view(t: torch.Tensor, r: Range) -> torch.Tensor:
@@ -71,13 +75,15 @@ class KeyBuffers:
         param_dtype: torch.dtype,
         grad_sync_dtype: torch.dtype,
         param_sync_dtype: torch.dtype,
-        state_dtype: torch.dtype,
+        storage: Storage,
         state_names: tuple[str, ...],
+        state_signed: dict[str, bool] | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.device = device
         self.grad_dtype = grad_sync_dtype
+        self.storage = storage
         space, shard = layout.space_numel, layout.shard_numel
         self.param_space = torch.zeros(space, dtype=param_dtype, device=device)
         self.sync_space = (
@@ -86,14 +92,43 @@ class KeyBuffers:
             else torch.zeros(space, dtype=param_sync_dtype, device=device)
         )
         self._grad_shard: torch.Tensor | None = None
-        #: the master IS this rank's chunks of the params (fp32 params gathered in fp32)
-        self.master_is_param = param_dtype == state_dtype and self.sync_space is self.param_space
+        #: see Note: compact storage (state_storage.py): ``param``, ``copy`` or ``remainder``
+        self.master_kind = storage.master_kind(param_dtype, param_sync_dtype)
+        #: the master IS this rank's chunks of the params (updated in place, no copy)
+        self.master_is_param = self.master_kind == "param"
         self.master: Shard = (
-            ChunkedShard(self.chunks(self.param_space), [b.shard_offset for b in layout.buckets])
-            if self.master_is_param
-            else torch.zeros(shard, dtype=state_dtype, device=device)
+            torch.zeros(shard, dtype=torch.float32, device=device)
+            if self.master_kind == "copy"
+            else ChunkedShard(
+                self.chunks(self.param_space), [b.shard_offset for b in layout.buckets]
+            )
         )
-        self.state = {n: torch.zeros(shard, dtype=state_dtype, device=device) for n in state_names}
+        #: the int16 low halves of the fp32 masters of a ``remainder`` key
+        self.remainder = (
+            torch.zeros(shard, dtype=torch.int16, device=device)
+            if self.master_kind == "remainder"
+            else None
+        )
+        fmt = storage.state_format
+        self.state_signed = {n: True for n in state_names} | dict(state_signed or {})
+        self.state = {  # zero state (codes of 0.0: the 8-bit map's zero is not code 0)
+            n: torch.full(
+                (shard,),
+                state_codec.zero_code(self.state_signed[n]) if fmt == "int8" else 0,
+                dtype=state_codec.code_dtype(fmt),
+                device=device,
+            )
+            for n in state_names
+        }
+        #: per-block fp32 scales of blockwise formats (zero scales decode to zero)
+        self.scales = (
+            {
+                n: torch.zeros(state_codec.num_blocks(shard), dtype=torch.float32, device=device)
+                for n in state_names
+            }
+            if storage.blockwise
+            else {}
+        )
         self.fragments = layout.rank_fragments(rank)
         self.grad_buckets: dict[int, torch.Tensor] = {}  # live transient grad buffers
 
@@ -174,15 +209,22 @@ class KeyBuffers:
 
     def bytes(self) -> dict[str, int]:
         """Bytes held per persistent buffer (``sync_space`` only when separate, ``master`` 0 when
-        it is the param chunks); the transient grad buckets and grad shard are not counted."""
+        the params are the masters, ``remainder`` and ``<state>_scales`` when kept); the transient
+        grad buckets and grad shard are not counted."""
+
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
         out = {
-            "param_space": self.param_space.numel() * self.param_space.element_size(),
-            "master": 0
-            if self.master_is_param
-            else self.master.numel() * self.master.element_size(),
+            "param_space": size(self.param_space),
+            "master": size(self.master) if self.master_kind == "copy" else 0,
         }
+        if self.remainder is not None:
+            out["remainder"] = size(self.remainder)
         if self.sync_space is not self.param_space:
-            out["sync_space"] = self.sync_space.numel() * self.sync_space.element_size()
+            out["sync_space"] = size(self.sync_space)
         for name, t in self.state.items():
-            out[name] = t.numel() * t.element_size()
+            out[name] = size(t)
+        for name, t in self.scales.items():
+            out[f"{name}_scales"] = size(t)
         return out

@@ -21,7 +21,7 @@ from shardopt.optimizers.fused_optimizer import (
 from shardopt.optimizers.lamb import clip_scale, lamb_stage1_apply, lamb_stage2_apply
 from shardopt.optimizers.novograd import blend_second_moment, check_norm_type
 from shardopt.optimizers.sgd import _REQUIRED, check_sgd_lr, sgd_apply
-from shardopt.zero import comm
+from shardopt.zero import comm, state_storage
 from shardopt.zero.amp import StepScalars
 from shardopt.zero.engine import DistributedOptimizer
 
@@ -31,7 +31,16 @@ ZERO_ARGS_DOC = """
         redundant_process_group: shards are replicated across this group (HSDP-style): grad
             shards are all-reduced over it after the reduce-scatter.
         bucket_cap_mb: bucket size in MB of grad-sync dtype.
-        dtype: master weights and optimizer state dtype (float32).
+        dtype: optimizer state dtype: float32, or bfloat16/float16 (16-bit moments; params of
+            that dtype are then their own masters, Apex's meaning).
+        state_format: how the moments are stored (DistributedFusedAdam): "fp32", "bf16",
+            "fp16", "scaled_fp16" (fp16 codes, an fp32 scale per 256-element block) or "int8"
+            (8-bit codes into a dynamic quantisation map, a scale per block); default from
+            ``dtype`` and ``with_scaled_states``. See Note: compact storage.
+        store_param_remainders: (Apex) bf16 params keep an int16 remainder instead of an fp32
+            master: the exact fp32 master is the param's bits plus the remainder; params are
+            rounded half away from zero (DistributedFusedAdam).
+        with_scaled_states: (Apex) ``state_format="scaled_fp16"`` (DistributedFusedAdam).
         grad_sync_dtype: dtype grads are accumulated and reduce-scattered in (default: the param
             dtype for fp32 params, float32 for fp16/bf16 params).
         param_sync_dtype: dtype params are all-gathered in (default: the param dtype).
@@ -78,6 +87,8 @@ class DistributedFusedAdam(DistributedOptimizer):
     """
 
     state_names = ("exp_avg", "exp_avg_sq")
+    state_signed = {"exp_avg": True, "exp_avg_sq": False}
+    compact_storage = True
 
     def __init__(
         self,
@@ -105,6 +116,9 @@ class DistributedFusedAdam(DistributedOptimizer):
 
     def _update(self, scalars: StepScalars) -> None:
         for group, buf, call in self._each_call():
+            if state_storage.needs_codec(buf):
+                self._update_compact(group, buf, call, scalars)
+                continue
             adam_apply(
                 group,
                 call.of(buf.grad_shard),
@@ -116,6 +130,39 @@ class DistributedFusedAdam(DistributedOptimizer):
                 **self._lr(group),
                 **self._kernel_scalars(group, call, scalars),
             )
+
+    def _update_compact(self, group: dict, buf, call, scalars: StepScalars) -> None:
+        """One kernel call over compact storage (see Note: compact storage in
+        state_storage.py); a separate fp32 master's low-precision copy is written after it."""
+        from shardopt import _ops
+
+        masters = call.of(buf.master)
+        scales = [call.blocks_of(buf.scales[n]) if buf.scales else [] for n in self.state_names]
+        beta1, beta2 = group["betas"]
+        _ops.adam_compact(
+            [
+                call.of(buf.grad_shard),
+                masters,
+                call.of(buf.remainder) if buf.remainder is not None else [],
+                call.of(buf.state["exp_avg"]),
+                call.of(buf.state["exp_avg_sq"]),
+                *scales,
+            ],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            step=0,
+            adam_w_mode=group["adam_w_mode"],
+            bias_correction=group["bias_correction"],
+            weight_decay=group["weight_decay"],
+            state_format=buf.storage.state_format,
+            **self._lr(group),
+            **self._kernel_scalars(group, call, scalars),
+        )
+        outs = call.outs()
+        if outs is not None and buf.master_kind == "copy":
+            for out, master in zip(outs, masters):
+                out.copy_(master)
 
 
 class DistributedFusedSGD(DistributedOptimizer):

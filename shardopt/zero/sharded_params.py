@@ -19,6 +19,7 @@ from shardopt.optimizers.fused_optimizer import LOW_PRECISION
 from shardopt.zero import comm
 from shardopt.zero.flat_buffer import KeyBuffers
 from shardopt.zero.layout import KeyLayout, Range, plan_key
+from shardopt.zero.state_storage import Storage
 
 ALIGN_BYTES = 128
 
@@ -82,6 +83,7 @@ class ShardingConfig:
     overlap_param_sync: bool
     capturable: bool
     skip_unused_params: bool
+    storage: Storage = Storage()
 
     def describe(self) -> tuple:
         return tuple(str(v) for v in self.__dict__.values())
@@ -107,6 +109,7 @@ class ShardedParams:
         config: ShardingConfig,
         state_names: tuple[str, ...],
         *,
+        state_signed: dict[str, bool] | None = None,
         process_group: comm.ProcessGroup | None,
         redundant_process_group: comm.ProcessGroup | None,
         owner: str,
@@ -146,7 +149,7 @@ class ShardedParams:
         self.device = _ops.common_device(self.all_params, "params")
         self._check_same_everywhere(param_groups)
         self._broadcast(redundant_process_group)
-        self.keys: list[Key] = self._build_keys(param_groups, state_names)
+        self.keys: list[Key] = self._build_keys(param_groups, state_names, state_signed)
         self.param_key: dict[int, Key] = {i: key for key in self.keys for i in key.layout.params}
         #: param -> (bucket index, bucket_range, param_range) of each bucket it has elements in
         self.pieces: dict[int, list[tuple[int, Range, Range]]] = {
@@ -216,7 +219,9 @@ class ShardedParams:
             if redundant_process_group is not None:
                 comm.broadcast(data, 0, redundant_process_group)
 
-    def _build_keys(self, param_groups: list[dict[str, Any]], state_names) -> list[Key]:
+    def _build_keys(
+        self, param_groups: list[dict[str, Any]], state_names, state_signed
+    ) -> list[Key]:
         by_key: dict[tuple[int, torch.dtype], list[int]] = {}
         for gi, group in enumerate(param_groups):
             for p in group["params"]:
@@ -233,7 +238,7 @@ class ShardedParams:
                 [(i, self.params[i].numel()) for i in indices],
                 world_size=self.world_size,
                 bucket_numel=max(bucket_numel, 1),
-                align_numel=ALIGN_BYTES // smallest,
+                align_numel=config.storage.align_numel(ALIGN_BYTES // smallest),
             )
             buffers = KeyBuffers(
                 layout,
@@ -242,8 +247,9 @@ class ShardedParams:
                 param_dtype=dtype,
                 grad_sync_dtype=grad_dtype,
                 param_sync_dtype=sync_dtype,
-                state_dtype=config.state_dtype,
+                storage=config.storage,
                 state_names=state_names,
+                state_signed=state_signed,
             )
             keys.append(Key(len(keys), gi, dtype, layout, buffers))
         return keys
@@ -261,7 +267,7 @@ class ShardedParams:
                 view.copy_(p.data)
                 p.data = view
                 self.views[i] = view
-            if buf.master_is_param:
+            if buf.master_kind != "copy":  # the params' chunks are (the top halves of) masters
                 continue
             for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
                 master.copy_(buf.fragment_param_view(self.params[f.param].data, f))
@@ -303,30 +309,29 @@ class ShardedParams:
 
     @torch.no_grad()
     def refresh_masters(self, force: bool = False) -> None:
-        """Re-seeds the masters of every key whose params were written (or re-bound) since the
-        optimizer last wrote them (every key if ``force``): a master is kept where it still
-        rounds to the param, else it becomes the param's value. fp32 params gathered in fp32 are
-        their own masters."""
+        """Re-seeds the masters of params written (or re-bound) since the optimizer last wrote
+        them (every master if ``force``): a master copy is kept where it still rounds to the
+        param, else it becomes the param's value; a written param's int16 remainders are reset
+        (the written values carry none; ``force`` leaves them: state I/O already kept the loaded
+        ones only where they round to the param). Params that are their own masters need
+        nothing."""
         rebound = self.check_bindings()
-        changed = {self.param_key[i].index for i in rebound}
+        changed = set(rebound)
         for i, (p, seen) in enumerate(zip(self.params, self._versions)):
             if p._version != seen:
-                changed.add(self.param_key[i].index)
+                changed.add(i)
+        changed_keys = {self.param_key[i].index for i in changed}
         for key in self.keys:
             buf = key.buffers
-            if buf.master_is_param or not (force or key.index in changed):
-                continue
-            for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
-                param = buf.fragment_param_view(self.params[f.param].data, f)
-                master.copy_(merge_master(master, param, buf.sync_space.dtype))
+            if buf.master_kind == "copy" and (force or key.index in changed_keys):
+                for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
+                    param = buf.fragment_param_view(self.params[f.param].data, f)
+                    master.copy_(merge_master(master, param, buf.sync_space.dtype))
+            elif buf.master_kind == "remainder" and not force and key.index in changed_keys:
+                for f in buf.fragments:
+                    if f.param in changed:
+                        buf.fragment(buf.remainder, f).zero_()
         self.note_params_published()
-
-    def shard_tensors(self, key: Key) -> dict[str, Any]:
-        """Named shards of ``key`` kept per param: the state, plus ``master_param`` (a view of the
-        param chunks for fp32 params, a separate fp32 copy for low-precision ones)."""
-        named = dict(key.buffers.state)
-        named["master_param"] = key.buffers.master
-        return named
 
 
 def merge_master(

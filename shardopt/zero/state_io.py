@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from shardopt.optimizers.fused_optimizer import check_loaded_groups
-from shardopt.zero import comm
+from shardopt.zero import comm, state_storage
 from shardopt.zero.layout import Range
+from shardopt.zero.state_storage import MASTER
 
-MASTER = "master_param"
 PARAM_STEPS = "param_steps"  # own step of each param of a group, when some were skipped
 
 
@@ -55,18 +55,55 @@ class StateIO:
 
     # -- the interface ---------------------------------------------------------------------------
 
-    def shard_fragments(self) -> Iterator[ShardFragment]:
-        """This rank's fragments in shard order, with views of their master and state shards."""
+    def shard_fragments(self, writable: bool = False) -> Iterator[ShardFragment]:
+        """This rank's fragments in shard order, with the fp32 values of their master and state.
+
+        Plain fp32 storage hands out views: writing into them changes the optimizer's state.
+        Compact storage (see Note: compact storage in state_storage.py) hands out decoded
+        copies; with ``writable=True`` they are kept (the same copies on every call) and
+        ``publish_masters()`` encodes what was written into them. Every writer ends with
+        ``publish_masters()``.
+        """
         sharded = self.sharded
+        staged = getattr(self, "_staged", None)
+        if writable and staged is None:
+            staged = self._staged = {}
         for key in sharded.keys:
             buf = key.buffers
-            named = sharded.shard_tensors(key)
-            for f in buf.fragments:
-                yield ShardFragment(
-                    sharded.all_index[f.param],
-                    f.param_range,
-                    {n: buf.fragment(t, f) for n, t in named.items()},
-                )
+            names = list(buf.state) + [MASTER]
+            coded = state_storage.needs_codec(buf)
+            for position, f in enumerate(buf.fragments):
+                if not coded:
+                    tensors = {n: buf.fragment(self._shard(buf, n), f) for n in names}
+                elif writable:
+                    tensors = staged.get((key.index, position))
+                    if tensors is None:
+                        tensors = {n: state_storage.read(buf, n, f.shard_range) for n in names}
+                        staged[(key.index, position)] = tensors
+                else:
+                    tensors = {n: state_storage.read(buf, n, f.shard_range) for n in names}
+                yield ShardFragment(sharded.all_index[f.param], f.param_range, tensors)
+
+    @staticmethod
+    def _shard(buf, name: str):
+        return buf.master if name == MASTER else buf.state[name]
+
+    def _commit_staged(self) -> None:
+        """Encodes the values written into ``shard_fragments(writable=True)``'s copies."""
+        staged = getattr(self, "_staged", None)
+        self._staged = None
+        if not staged:
+            return
+        with torch.no_grad():
+            for (key_index, position), tensors in staged.items():
+                buf = self.sharded.keys[key_index].buffers
+                f = buf.fragments[position]
+                for n, values in tensors.items():
+                    state_storage.write(buf, n, f.shard_range, values)
+
+    def drop_staged(self) -> None:
+        """Forgets uncommitted writable copies (the step changes the state under them)."""
+        self._staged = None
 
     def export_param_groups(self) -> list[dict[str, Any]]:
         """Every group's keys (params as ``all_params`` indices, step as an int, algorithm extras
@@ -111,7 +148,9 @@ class StateIO:
             self._load_extra_group_state(gi, saved)
 
     def publish_masters(self) -> None:
-        """Writes the master shards into the params and all-gathers them (collective)."""
+        """Stores what was written into writable fragments, writes the master shards into the
+        params and all-gathers them (collective)."""
+        self._commit_staged()
         self.param_sync.publish_masters()
 
     # -- algorithm hooks -------------------------------------------------------------------------
@@ -139,19 +178,15 @@ class StateIO:
         sharded = self.sharded
         state: dict[int, dict[str, Any]] = {}
         for key in sharded.keys:
-            named = sharded.shard_tensors(key)
-            if key.buffers.master_is_param:
-                del named[MASTER]
+            buf = key.buffers
+            names = list(buf.state) + ([] if buf.master_is_param else [MASTER])
             for bucket in key.layout.buckets:
                 gathered = {}
-                for name, shard in named.items():
-                    out = torch.empty(bucket.numel, dtype=shard.dtype, device=sharded.device)
-                    comm.all_gather(
-                        out,
-                        key.buffers.shard_of_bucket(shard, bucket),
-                        self.process_group,
-                        async_op=False,
-                    ).wait()
+                chunk = Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
+                for name in names:
+                    mine = state_storage.read(buf, name, chunk)
+                    out = torch.empty(bucket.numel, dtype=mine.dtype, device=sharded.device)
+                    comm.all_gather(out, mine, self.process_group, async_op=False).wait()
                     gathered[name] = out.cpu()
                 for i in bucket.params:
                     p = sharded.params[i]
@@ -214,7 +249,7 @@ class StateIO:
                 sg["step"] = max(steps + [0.0])
             if PARAM_STEPS not in sg:
                 sg[PARAM_STEPS] = [s if s >= 0 else sg["step"] for s in steps]
-        for frag in self.shard_fragments():
+        for frag in self.shard_fragments(writable=True):
             p = self.all_params[frag.param]
             entry = saved_state.get(saved_id[id(p)], {})
             r = frag.param_range

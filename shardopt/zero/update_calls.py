@@ -22,6 +22,7 @@ import torch
 from shardopt.zero.flat_buffer import KeyBuffers, Shard
 from shardopt.zero.layout import Range
 from shardopt.zero.sharded_params import Key, ShardedParams
+from shardopt.zero.state_storage import blocks
 
 
 @dataclass
@@ -38,6 +39,10 @@ class Call:
     def of(self, shard: Shard) -> list[torch.Tensor]:
         """The call's views of a shard (grad shard, master, a state)."""
         return [self.buffers.shard_slice(shard, r) for r in self.shard_ranges]
+
+    def blocks_of(self, scales: torch.Tensor) -> list[torch.Tensor]:
+        """The call's views of a per-block scale shard (blockwise state formats)."""
+        return [scales.narrow(0, b.start, b.numel) for b in map(blocks, self.shard_ranges)]
 
     def outs(self) -> list[torch.Tensor] | None:
         """The out slot (low-precision params or another sync dtype), None when the master IS
