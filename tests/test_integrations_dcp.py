@@ -15,7 +15,7 @@ import shardopt
 from shardopt.checkpoint import dcp as sdcp
 
 TOL = dict(rtol=1.3e-6, atol=1e-5)
-GLOBAL_MICRO = 6  # micro-batches per step, split over ranks: lcm(1, 2, 3)
+GLOBAL_MICRO = 12  # micro-batches per step, split over ranks: lcm(1, 2, 3, 4)
 ROOT = "SHARDOPT_TEST_DCP_ROOT"
 HP = dict(lr=0.05, weight_decay=0.01)
 
@@ -54,12 +54,32 @@ def _step(model, opt, step, rank, world):
     opt.step()
 
 
-def _make(cls="Adam", bucket_mb=1.0):
+def _make(cls="Adam", bucket_mb=1.0, **groups):
     model = Net()
     opt = getattr(shardopt, f"DistributedFused{cls}")(
-        model.parameters(), bucket_cap_mb=bucket_mb, **HP
+        model.parameters(), bucket_cap_mb=bucket_mb, **groups, **HP
     )
     return model, opt
+
+
+def dcp_save_hsdp(rank, world):
+    """HSDP (2 shards x 2 replicas): a (replicate, shard) mesh; DCP writes each chunk once."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardopt.zero import hsdp_groups
+
+    model, opt = _make("Adam", bucket_mb=40 * 4 / 2**20, **hsdp_groups(2)._asdict())
+    for s in range(2):
+        _step(model, opt, s, rank, world)
+    msd, osd = sdcp.get_state_dict(model, opt)
+    sample = osd["state"]["inp.weight"]["exp_avg"]
+    assert sample.device_mesh.ndim == 2 and tuple(sample.shape) == (16, 6)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(_root() / "hsdp-Adam"))
+    for s in range(2, 4):
+        _step(model, opt, s, rank, world)
+    if rank == 0:
+        torch.save(model.state_dict(), _root() / "final-hsdp-Adam.pt")
+    dist.barrier()
 
 
 def dcp_save(rank, world):
@@ -89,32 +109,34 @@ def dcp_load(rank, world):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    for cls in ("Adam", "LAMB"):
-        expected = torch.load(_root() / f"final-{cls}.pt", weights_only=True)
-        for how in ("sharded", "torch", "cross"):
-            model, opt = _make(cls, bucket_mb=1.0)
-            if how == "torch":
-                msd, osd = get_state_dict(model, opt)
-                dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(_root() / f"torch-{cls}"))
-                set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-            else:  # "cross": torch's full-state checkpoint read into the sharded layout
-                src = "sharded" if how == "sharded" else "torch"
-                msd, osd = sdcp.get_state_dict(model, opt)
-                dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(_root() / f"{src}-{cls}"))
-                sdcp.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-            assert int(opt.param_groups[0]["step"]) == 2 and opt.param_groups[0]["lr"] == 0.05
-            for s in range(2, 4):
-                _step(model, opt, s, rank, world)
-            for k, v in model.state_dict().items():
-                torch.testing.assert_close(v, expected[k], **TOL, msg=f"{how} {k}")
+    sources = [(c, h) for c in ("Adam", "LAMB") for h in ("sharded", "torch", "cross")]
+    for cls, how in sources + [("Adam", "hsdp")]:
+        final = f"final-hsdp-{cls}.pt" if how == "hsdp" else f"final-{cls}.pt"
+        expected = torch.load(_root() / final, weights_only=True)
+        model, opt = _make(cls, bucket_mb=1.0)
+        if how == "torch":
+            msd, osd = get_state_dict(model, opt)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(_root() / f"torch-{cls}"))
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        else:  # "cross": torch's full-state checkpoint read into the sharded layout
+            src = {"sharded": "sharded", "hsdp": "hsdp"}.get(how, "torch")
+            msd, osd = sdcp.get_state_dict(model, opt)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(_root() / f"{src}-{cls}"))
+            sdcp.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        assert int(opt.param_groups[0]["step"]) == 2 and opt.param_groups[0]["lr"] == 0.05
+        for s in range(2, 4):
+            _step(model, opt, s, rank, world)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, expected[k], **TOL, msg=f"{how} {k}")
 
 
 def test_dcp_save_2_load_3(tmp_path):
-    """Saved at world 2 (sharded and through torch's get_state_dict), loaded at world 3 with
-    another bucket size: training continues as the uninterrupted run."""
+    """Saved at world 2 (sharded and through torch's get_state_dict) and with HSDP at world 4,
+    loaded at world 3 with another bucket size: training continues as the uninterrupted run."""
     os.environ[ROOT] = str(tmp_path)
     try:
         assert run_cases([dcp_save], 2, timeout=240)["dcp_save"] is None
+        assert run_cases([dcp_save_hsdp], 4, timeout=240)["dcp_save_hsdp"] is None
         err = run_cases([dcp_load], 3, timeout=240)["dcp_load"]
     finally:
         os.environ.pop(ROOT, None)

@@ -14,6 +14,8 @@ Note: re-partition. Each rank owns arbitrary flat fragments of each param (see
 ``shardopt/zero/layout.py``: chunk r of every bucket), which no regular DTensor sharding
 describes. At save time the state is re-partitioned into the even row chunks of ``Shard(0)``
 (``torch.chunk`` semantics: rank r holds rows ``[r*c, (r+1)*c)`` with ``c = ceil(rows / world)``),
+With a ``redundant_process_group`` (HSDP) the mesh is 2-D, (replicate, shard), placements
+``(Replicate(), Shard(0))``: every replica holds the same chunks and DCP writes them once.
 and back at load time: params are taken in batches of at most ``bucket_cap_mb`` of fp32 per
 state tensor; for each batch every rank writes what it has into a zeroed buffer, one all-reduce
 (SUM over the process group; each element has exactly one owner, so the sum is exact) makes the
@@ -36,10 +38,23 @@ MASTER = "master_param"
 
 
 def _mesh(optimizer):
+    """The optimizer's device mesh: 1-D over the process group, or (replica, shard) with a
+    ``redundant_process_group`` (HSDP), where every replica holds the same row chunks."""
     from torch.distributed.device_mesh import DeviceMesh
 
     group = optimizer.process_group if optimizer.process_group is not None else dist.group.WORLD
-    return DeviceMesh.from_group(group, optimizer.device.type)
+    replicas = optimizer.redundant_process_group
+    if replicas is None:
+        return DeviceMesh.from_group(group, optimizer.device.type)
+    # row i of the mesh: the shard group of the replica group's i-th rank
+    rows = [None] * dist.get_world_size(replicas)
+    dist.all_gather_object(rows, dist.get_process_group_ranks(group), group=replicas)
+    return DeviceMesh.from_group(
+        [replicas, group],
+        optimizer.device.type,
+        mesh=torch.tensor(rows, dtype=torch.int),
+        mesh_dim_names=("replicate", "shard"),
+    )
 
 
 def _fqns(optimizer, model) -> list[str]:
@@ -144,14 +159,6 @@ def _exchange(optimizer, direction: str, locals_: dict[int, dict[str, torch.Tens
                         frag.tensors[name].copy_(buf[ni, base + r.start : base + r.end])
 
 
-def _check(optimizer) -> None:
-    if optimizer.redundant_process_group is not None:
-        raise RuntimeError(
-            "sharded_state_dict() does not support a redundant_process_group (each replica would "
-            "write the same shards); use shardopt.checkpoint.save"
-        )
-
-
 def _local_chunks(optimizer) -> dict[int, dict[str, torch.Tensor]]:
     rank, world = optimizer.rank, optimizer.world_size
     out = {}
@@ -169,13 +176,16 @@ def _local_chunks(optimizer) -> dict[int, dict[str, torch.Tensor]]:
 def _dtensor(local: torch.Tensor, p: torch.Tensor, mesh):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    replicated = [Replicate()] * (mesh.ndim - 1)  # the replica dim of an HSDP mesh
     if p.dim() == 0:
-        return DTensor.from_local(local.reshape(()), mesh, [Replicate()], run_check=False)
+        return DTensor.from_local(
+            local.reshape(()), mesh, replicated + [Replicate()], run_check=False
+        )
     shape = (local.numel() // (p.numel() // p.shape[0]) if p.shape[0] else 0, *p.shape[1:])
     return DTensor.from_local(
         local.view(shape),
         mesh,
-        [Shard(0)],
+        replicated + [Shard(0)],
         run_check=False,
         shape=p.shape,
         stride=torch.empty(p.shape, device="meta").stride(),
@@ -192,7 +202,6 @@ def sharded_state_dict(optimizer, model: torch.nn.Module | None = None) -> dict[
             its FQNs (wrapper prefixes ``module.`` and ``_orig_mod.`` removed), as torch's
             ``get_optimizer_state_dict`` keys them. Without it, by param index (``"0"``, ...).
     """
-    _check(optimizer)
     optimizer.wait_param_sync()
     names = _fqns(optimizer, model)
     chunks = _local_chunks(optimizer)
@@ -224,7 +233,6 @@ def load_sharded_state_dict(
     keys are FQNs then). Also accepts an older checkpoint's JSON param groups."""
     from torch.distributed.tensor import DTensor
 
-    _check(optimizer)
     optimizer.wait_param_sync()
     names = _fqns(optimizer, model)
     index = {n: i for i, n in enumerate(names)}
