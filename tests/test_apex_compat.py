@@ -108,7 +108,65 @@ def underfilled_buckets_warn(rank, world):
         shardopt.DistributedFusedAdam(nn.Linear(256, 256).parameters())
 
 
-CASES = [apex_script_matches_ddp, refused_and_checked_arguments, underfilled_buckets_warn]
+def fp64_params_with_fp32_state(rank, world):
+    """fp64 model params with fp32 masters and state (Apex's dtype=float32): grads sync in fp32
+    and the params follow DDP + AdamW on the fp32 copy of the model."""
+    model, ref = _model().double(), _model()
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ddp = nn.parallel.DistributedDataParallel(ref, process_group=dist.new_group())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        model(_batch(step, rank).double()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ddp(_batch(step, rank)).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.dtype == torch.float64
+        torch.testing.assert_close(p.float(), q, rtol=1e-5, atol=1e-6)
+        assert torch.equal(p, p.float().double())  # fp32 values: the master's
+    entry = opt.state_dict()["state"][0]
+    assert entry["exp_avg"].dtype == torch.float32 and entry["master_param"].dtype == torch.float32
+
+
+def integer_param_sync(rank, world):
+    """Apex's integer param_sync_dtype: the most significant bytes of each fp32 master are
+    all-gathered (a bit copy); of the params' own size, the same as gathering in their dtype."""
+    bf16, same = _model().bfloat16(), _model().bfloat16()
+    truncated = _model()
+    opts = [
+        shardopt.DistributedFusedAdam(bf16.parameters(), lr=1e-2),
+        shardopt.DistributedFusedAdam(same.parameters(), lr=1e-2, param_sync_dtype=torch.int16),
+        shardopt.DistributedFusedAdam(
+            truncated.parameters(), lr=1e-2, param_sync_dtype=torch.int16
+        ),
+    ]
+    for step in range(3):
+        for m, o in zip((bf16, same, truncated), opts):
+            x = _batch(step, rank).to(next(m.parameters()).dtype)
+            m(x).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(bf16.parameters(), same.parameters()):
+        assert torch.equal(p, q)
+    masters = opts[2].state_dict()["state"]
+    for i, p in enumerate(truncated.parameters()):
+        bits = masters[i]["master_param"].reshape(-1).view(torch.int32)
+        assert torch.equal(p.detach().reshape(-1).view(torch.int32), bits & -65536)
+    with pytest.raises(TypeError, match="more bytes"):
+        shardopt.DistributedFusedAdam(
+            _model().bfloat16().parameters(), param_sync_dtype=torch.int32
+        )
+
+
+CASES = [
+    apex_script_matches_ddp,
+    refused_and_checked_arguments,
+    underfilled_buckets_warn,
+    fp64_params_with_fp32_state,
+    integer_param_sync,
+]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")

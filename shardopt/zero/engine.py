@@ -51,6 +51,8 @@ from shardopt.zero.state_io import StateIO
 from shardopt.zero.update_calls import Call, UpdateCalls
 
 FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: Apex's bit-copy path (e.g. fp8 bits as uint8): the most significant bytes of each master
+INTEGER_SYNC_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
 
 
 class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimizer):
@@ -301,6 +303,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             else:
                 group["step"].add_(1 - scalars.found_inf_t.reshape(()))
         self._update(scalars)
+        self.param_sync.write_sync_space(scalars.found_inf_t)
         self.update_calls.end(scalars.found_inf_t)
         self.param_sync.start()
         self._end_iteration()
@@ -390,12 +393,15 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 def _check_settings(
     name, grad_sync_dtype, param_sync_dtype, capturable, overlap_param_sync, bucket_cap_mb
 ) -> None:
-    for arg, value in (
-        ("grad_sync_dtype", grad_sync_dtype),
-        ("param_sync_dtype", param_sync_dtype),
-    ):
-        if value not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: {arg} must be a floating dtype, got {value}")
+    if grad_sync_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: grad_sync_dtype must be a floating dtype, got {grad_sync_dtype}")
+    if param_sync_dtype not in FLOAT_DTYPES + INTEGER_SYNC_DTYPES:
+        raise TypeError(
+            f"{name}: param_sync_dtype must be a floating dtype or one of uint8, int8, int16, "
+            f"int32 (Apex's bit copy of the masters' top bytes), got {param_sync_dtype}"
+        )
+    if param_sync_dtype in INTEGER_SYNC_DTYPES and capturable:
+        raise ValueError(f"{name}: an integer param_sync_dtype is not supported with capturable")
     if capturable and overlap_param_sync:
         raise ValueError(
             f"{name}: capturable=True needs the param all-gathers to finish inside step() "

@@ -42,8 +42,11 @@ ZERO_ARGS_DOC = """
             rounded half away from zero (DistributedFusedAdam).
         with_scaled_states: (Apex) ``state_format="scaled_fp16"`` (DistributedFusedAdam).
         grad_sync_dtype: dtype grads are accumulated and reduce-scattered in (default: the param
-            dtype for fp32 params, float32 for fp16/bf16 params).
-        param_sync_dtype: dtype params are all-gathered in (default: the param dtype).
+            dtype for fp32 params, float32 for fp16/bf16/fp64 params; fp64 params keep fp32
+            masters and state, as Apex's with dtype=float32).
+        param_sync_dtype: dtype params are all-gathered in (default: the param dtype); an
+            integer dtype (uint8, int8, int16, int32) gathers each fp32 master's most
+            significant bytes (Apex's bit copy).
         average_grad_sync: average (True) or sum grads over ranks.
         overlap_grad_sync: start a bucket's reduce-scatter during backward once its grads are in.
         overlap_param_sync: leave the param all-gathers in flight after step() and wait for them

@@ -15,8 +15,13 @@ import weakref
 import torch
 
 from shardopt.zero import comm
+from shardopt.zero.flat_buffer import sync_to_params, write_sync
 from shardopt.zero.grad_sync import BucketId
 from shardopt.zero.sharded_params import ShardedParams
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype.is_floating_point else t.view(torch.uint8)
 
 
 class ParamSync:
@@ -43,10 +48,11 @@ class ParamSync:
         pending: dict[BucketId, comm.Handle] = {}
         for key in self.sharded.keys:
             buf = key.buffers
+            # integer bits travel as bytes (neither gloo nor NCCL has every integer type)
             for bucket in reversed(key.layout.buckets):  # the update wrote this rank's chunk
                 pending[(key.index, bucket.index)] = comm.all_gather(
-                    buf.bucket(buf.sync_space, bucket),
-                    buf.chunk(buf.sync_space, bucket),
+                    _bytes_of(buf.bucket(buf.sync_space, bucket)),
+                    _bytes_of(buf.chunk(buf.sync_space, bucket)),
                     self.process_group,
                     async_op=True,
                 )
@@ -59,14 +65,31 @@ class ParamSync:
             self._install_forward_wait()
 
     @torch.no_grad()
+    def write_sync_space(self, found_inf_t: torch.Tensor | None) -> None:
+        """After the update: the masters into the sync space of keys whose kernels cannot write
+        it (fp64 params, an integer ``param_sync_dtype``); nothing changes on a skipped step."""
+        for key in self.sharded.keys:
+            buf = key.buffers
+            if not buf.out_by_copy:
+                continue
+            for bucket, master in zip(key.layout.buckets, buf.per_bucket(buf.master)):
+                out = buf.chunk(buf.sync_space, bucket)
+                if found_inf_t is None:
+                    write_sync(out, master)
+                else:
+                    new = torch.empty_like(out)
+                    write_sync(new, master)
+                    out.copy_(torch.where(found_inf_t.bool(), out, new))
+
+    @torch.no_grad()
     def publish_masters(self) -> None:
         """Writes the master shards into the params and all-gathers them (blocking)."""
         for key in self.sharded.keys:
             buf = key.buffers
-            if buf.master_is_param:
-                continue  # the all-gather reads the masters directly
+            if buf.master_kind != "copy":
+                continue  # the all-gather reads the params' chunks, which are the masters
             for master, out in zip(buf.per_fragment(buf.master), buf.fragment_outs(buf.sync_space)):
-                out.copy_(master)
+                write_sync(out, master)
         self.start()
         self.wait()
 
@@ -79,7 +102,7 @@ class ParamSync:
         buf = key.buffers
         if buf.sync_space is not buf.param_space:
             bucket = key.layout.buckets[bucket_id[1]]
-            buf.bucket(buf.param_space, bucket).copy_(buf.bucket(buf.sync_space, bucket))
+            sync_to_params(buf.bucket(buf.param_space, bucket), buf.bucket(buf.sync_space, bucket))
         if not self.pending:
             self.on_published()
 

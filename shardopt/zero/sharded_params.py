@@ -17,7 +17,7 @@ import torch
 from shardopt import _ops
 from shardopt.optimizers.fused_optimizer import LOW_PRECISION
 from shardopt.zero import comm
-from shardopt.zero.flat_buffer import KeyBuffers
+from shardopt.zero.flat_buffer import KeyBuffers, sync_to_params, write_sync
 from shardopt.zero.layout import KeyLayout, Range, plan_key
 from shardopt.zero.state_storage import Storage
 
@@ -89,10 +89,11 @@ class ShardingConfig:
         return tuple(str(v) for v in self.__dict__.values())
 
     def grad_sync_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
-        """Low-precision params accumulate and sync grads in fp32 unless told otherwise."""
+        """Low-precision and fp64 params accumulate and sync grads in fp32 (the math's dtype)
+        unless told otherwise."""
         if self.grad_sync_dtype is not None:
             return self.grad_sync_dtype
-        return torch.float32 if param_dtype in LOW_PRECISION else param_dtype
+        return torch.float32 if param_dtype in LOW_PRECISION + (torch.float64,) else param_dtype
 
 
 class ShardedParams:
@@ -120,12 +121,6 @@ class ShardedParams:
         self.rank = comm.rank(process_group)
         self.world_size = comm.world_size(process_group)
         self.all_params: list[torch.Tensor] = [p for g in param_groups for p in g["params"]]
-        for p in self.all_params:
-            if p.dtype == torch.float64:
-                raise TypeError(
-                    f"{owner} supports float32, float16 and bfloat16 params; use FusedAdam etc. "
-                    "for float64"
-                )
         seen: dict[int, int] = {}
         for i, p in enumerate(self.all_params):
             if id(p) in seen:
@@ -232,6 +227,13 @@ class ShardedParams:
         for (gi, dtype), indices in by_key.items():
             grad_dtype = config.grad_sync_dtype_for(dtype)
             sync_dtype = config.param_sync_dtype or dtype
+            if not sync_dtype.is_floating_point and sync_dtype.itemsize == dtype.itemsize:
+                sync_dtype = dtype  # the params' own bits: the same as gathering in their dtype
+            elif not sync_dtype.is_floating_point and sync_dtype.itemsize > dtype.itemsize:
+                raise TypeError(
+                    f"{self.owner}: param_sync_dtype={sync_dtype} has more bytes than the "
+                    f"{dtype} params it would carry (the bit copy takes a param's top bytes)"
+                )
             smallest = min(t.itemsize for t in (dtype, grad_dtype, sync_dtype))
             bucket_numel = int(config.bucket_cap_mb * 2**20) // grad_dtype.itemsize
             layout = plan_key(
@@ -340,5 +342,11 @@ def merge_master(
     """The master to keep for ``param``: the master where it still rounds (to the dtype params are
     gathered in) to the param's value, else the param's value (see Note: the params are the
     truth)."""
-    rounded = master.to(sync_dtype).to(param.dtype)
+    if sync_dtype.is_floating_point:
+        rounded = master.to(sync_dtype).to(param.dtype)
+    else:  # Apex's bit copy: the param holds the master's top bytes
+        bits = torch.empty(master.shape, dtype=sync_dtype, device=master.device)
+        write_sync(bits, master)
+        rounded = torch.empty_like(param)
+        sync_to_params(rounded, bits)
     return torch.where(rounded == param, master, param.to(master.dtype))

@@ -46,9 +46,9 @@ class Call:
 
     def outs(self) -> list[torch.Tensor] | None:
         """The out slot (low-precision params or another sync dtype), None when the master IS
-        the param (updated in place)."""
+        the param (updated in place) or the engine writes the sync space (``out_by_copy``)."""
         buf = self.buffers
-        if buf.master_is_param:
+        if buf.master_is_param or buf.out_by_copy:
             return None
         return [buf.sync_space.narrow(0, r.start, r.numel) for r in self.space_ranges]
 
