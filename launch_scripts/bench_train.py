@@ -30,6 +30,14 @@ Modes (params fp32, compute under bf16 autocast, weight decay 0.1 everywhere):
                          optimizer time)
   shardopt_lamb          DistributedFusedLAMB (engine defaults)
 
+Run only when --modes names them:
+  deepspeed_zero2        DeepSpeed ZeRO-2 (its fused AdamW, overlap_comm, 500 MB buckets; needs
+                         deepspeed installed, its ops JIT-built)
+  ddp_adamw_compiled, shardopt_adam_compiled   the model under torch.compile
+  shardopt_adam_scaled, shardopt_adam_int8     fp32 params, compact moments (overlap on)
+  shardopt_adam_bf16, shardopt_adam_bf16_remainders, shardopt_adam_bf16_remainders_int8
+                         bf16 params: fp32 masters, int16 remainders, remainders + int8 moments
+
 With overlap_param_sync the all-gathers finish in the next forward: the optimizer-step time then
 excludes them, the training-step time includes them. A mode that raises is reported and skipped.
 NCCL settings are whatever the environment holds.
@@ -146,6 +154,9 @@ class Setup:
     forward: nn.Module
     opt: torch.optim.Optimizer
     settings: dict[str, Any]
+    #: a framework's own backward and step (DeepSpeed's engine), else loss.backward(), opt.step()
+    backward: Callable[[torch.Tensor], None] | None = None
+    step: Callable[[], None] | None = None
 
 
 def _ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
@@ -270,6 +281,57 @@ def setup_shardopt_adam_bf16_remainders_int8(model, device, args) -> Setup:
     return _compact(model, args, True, store_param_remainders=True, state_format="int8")
 
 
+def setup_deepspeed_zero2(model, device, args) -> Setup:
+    """DeepSpeed ZeRO stage 2 (sharded optimizer state and grads), its fused AdamW, overlapped
+    reduce-scatter, 500 MB buckets (its recommended large-model settings); bf16 autocast as the
+    other modes, fp32 params."""
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": {
+            "stage": 2,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+            "reduce_bucket_size": 5e8,
+            "allgather_bucket_size": 5e8,
+        },
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, opt, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
+    )
+    return Setup(
+        engine,
+        opt,
+        {"deepspeed": deepspeed.__version__, "zero_stage": 2, "bucket_bytes": 5e8},
+        backward=engine.backward,
+        step=engine.step,
+    )
+
+
+def setup_ddp_adamw_compiled(model, device, args) -> Setup:
+    setup = setup_ddp_adamw(model, device, args)
+    setup.forward = torch.compile(setup.forward)
+    setup.settings["compiled"] = True
+    return setup
+
+
+def setup_shardopt_adam_compiled(model, device, args) -> Setup:
+    """torch.compile'd model; grad overlap (param sync waits in step(): no forward hooks)."""
+    setup = _shardopt(
+        "DistributedFusedAdam", model, args, overlap_grad_sync=True, overlap_param_sync=False
+    )
+    setup.forward = torch.compile(model)
+    setup.settings["compiled"] = True
+    return setup
+
+
 def setup_shardopt_lamb(model, device, args) -> Setup:
     return _shardopt("DistributedFusedLAMB", model, args)
 
@@ -301,6 +363,12 @@ MODES: dict[str, Callable[[nn.Module, torch.device, argparse.Namespace], Setup]]
     "shardopt_lamb": setup_shardopt_lamb,
 }
 DEFAULT_MODES = list(MODES)
+# peers and variants run when --modes names them: DeepSpeed (not installed by default), compiled
+MODES.update(
+    deepspeed_zero2=setup_deepspeed_zero2,
+    ddp_adamw_compiled=setup_ddp_adamw_compiled,
+    shardopt_adam_compiled=setup_shardopt_adam_compiled,
+)
 # compact storage (issue 17; README: memory per parameter), run when --modes names them
 MODES.update(
     shardopt_adam_scaled=setup_shardopt_adam_scaled,
@@ -394,17 +462,21 @@ def train_eager(
             step_timer.start()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = setup.forward(idx, targets)
-        loss.backward()
+        (setup.backward or torch.Tensor.backward)(loss)
         if hasattr(setup.opt, "finish_grad_sync"):
             # DDP and FSDP2 finish grad sync inside backward; end ours here too, so "opt" is the
             # step after grad sync for every mode (step_ms is unaffected)
             setup.opt.finish_grad_sync()
         if timed:
             opt_timer.start()
-        setup.opt.step()
+        if setup.step is not None:
+            setup.step()  # (DeepSpeed: the step and its zero_grad)
+        else:
+            setup.opt.step()
         if timed:
             opt_timer.stop()
-        setup.opt.zero_grad(set_to_none=True)
+        if setup.step is None:
+            setup.opt.zero_grad(set_to_none=True)
         if timed:
             step_timer.stop()
         losses.append(loss.detach())
