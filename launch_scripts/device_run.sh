@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build the CUDA extension, then run the named stages, logging to
-# $OUT. Stages: tests (pytest -m cuda), parity (NCCL parity and contract suites, 2 GPUs), kernels
+# $OUT. Stages: tests (pytest -m cuda), parity (NCCL parity, contract and DTensor suites), kernels
 # (bench_kernels.py), train (bench_train.py, 2 GPUs), ckpt (bench_checkpoint.py, 2 GPUs),
 # example (train_gpt.py, 2 GPUs), scaling (bench_train.py at 2, 4, ... up to all GPUs, weak
 # scaling, then the scaling table and plot; for nvidia-h200-x4 / -x8). Multi-GPU stages use
-# every GPU of the machine.
+# every GPU of the machine. More stages: formats (bench_state_formats.py, compact-storage modes of
+# bench_train.py), host (bench_host.py: single-process step overhead), deepspeed (installs the
+# wheels carried in .dswheels/, then bench_train.py's deepspeed_zero2 beside DDP), quality
+# (train_gpt.py per state format). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
+# the end (the device tool returns at most 8 files).
 #   bash launch_scripts/device_run.sh tests parity kernels
 set -uo pipefail
-OUT=${OUT:-/tmp/shardopt-out}
+FINAL=${OUT:-/tmp/shardopt-out}
+OUT=$FINAL/logs
 mkdir -p "$OUT"
+trap 'tar czf "$FINAL/logs.tgz" -C "$FINAL" logs && rm -rf "$OUT"' EXIT
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} SHARDOPT_BUILD_CUDA=1 PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-32} SHARDOPT_BUILD_DIR=${SHARDOPT_BUILD_DIR:-$PWD/.build}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -33,7 +39,9 @@ for s in "$@"; do
     parity) timeout 240 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_parity.py \
              > "$OUT/nccl_parity.log" 2>&1; grep -E "PASS|FAIL|passed" "$OUT/nccl_parity.log" | tail -15
             timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_contract.py \
-             > "$OUT/nccl_contract.log" 2>&1; grep -E "PASS|FAIL" "$OUT/nccl_contract.log" | tail -8 ;;
+             > "$OUT/nccl_contract.log" 2>&1; grep -E "PASS|FAIL" "$OUT/nccl_contract.log" | tail -8
+            timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_dtensor.py \
+             > "$OUT/nccl_dtensor.log" 2>&1; grep -E "PASS|FAIL" "$OUT/nccl_dtensor.log" | tail -8 ;;
     kernels) timeout 280 python3 launch_scripts/bench_kernels.py --out "$OUT/bench_kernels.json" \
              > "$OUT/bench_kernels.log" 2>&1; tail -45 "$OUT/bench_kernels.log" ;;
     train) timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
@@ -52,6 +60,23 @@ for s in "$@"; do
              done
              python3 launch_scripts/plot_benchmarks.py --scaling "${runs[@]}" --out "$OUT" \
                > "$OUT/scaling.md" 2>&1; cat "$OUT/scaling.md" ;;
+    formats) timeout 200 python3 launch_scripts/bench_state_formats.py --out "$OUT/bench_state_formats.json" \
+             > "$OUT/bench_state_formats.log" 2>&1; tail -25 "$OUT/bench_state_formats.log"
+             timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
+             --modes shardopt_adam_overlap,shardopt_adam_scaled,shardopt_adam_int8,shardopt_adam_bf16,shardopt_adam_bf16_remainders,shardopt_adam_bf16_remainders_int8,fsdp2 \
+             --out "$OUT/bench_train_formats.json" > "$OUT/bench_train_formats.log" 2>&1; tail -14 "$OUT/bench_train_formats.log" ;;
+    host) timeout 200 python3 launch_scripts/bench_host.py --out "$OUT/bench_host.json" \
+             > "$OUT/bench_host.log" 2>&1; tail -30 "$OUT/bench_host.log" ;;
+    deepspeed) pip install -q --no-index --no-deps .dswheels/*.whl > "$OUT/deepspeed_install.log" 2>&1
+             timeout 500 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
+             --modes compute_floor,ddp_adamw,shardopt_adam_overlap,deepspeed_zero2,ddp_adamw_compiled,shardopt_adam_compiled \
+             --out "$OUT/bench_train_peers.json" > "$OUT/bench_train_peers.log" 2>&1; tail -14 "$OUT/bench_train_peers.log" ;;
+    quality) for f in fp32 bf16 scaled_fp16 int8; do
+               timeout 150 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train_gpt.py \
+                 --state-format "$f" --steps "${QUALITY_STEPS:-300}" --model "${QUALITY_MODEL:-small}" \
+                 --out-dir "$OUT/quality_$f" --no-progress > "$OUT/quality_$f.log" 2>&1
+               echo "$f: $(grep -E 'val|loss' "$OUT/quality_$f.log" | tail -1)"
+             done ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -19,16 +19,19 @@ from dist_harness import run_cases
 import shardopt
 
 TOL = dict(rtol=1.3e-6, atol=1e-6)
+#: where the cases run: CPU under gloo here; tests/nccl_dtensor.py sets a GPU under NCCL
+DEVICE = torch.device("cpu")
 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
     # 3 outputs: uneven shards over 2 ranks (2 + 1 rows)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).to(DEVICE)
 
 
 def _data(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + 1000 * rank))
+    gen = torch.Generator().manual_seed(10 * step + 1000 * rank)
+    return torch.randn(4, 8, generator=gen).to(DEVICE)
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -133,11 +136,11 @@ def handmade_placements_match_unsharded(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE.type, (world,))
     shapes = [(3, 5), (1,), (4, 6), (7,)]
     placements = [[Shard(0)], [Shard(0)], [Shard(1)], [Replicate()]]
     gen = torch.Generator().manual_seed(3)
-    full = [torch.randn(s, generator=gen) for s in shapes]
+    full = [torch.randn(s, generator=gen).to(DEVICE) for s in shapes]
     for make in [*NORMED, ELEMENTWISE[0][0]]:
         dts = [
             nn.Parameter(distribute_tensor(f.clone(), mesh, pl))
@@ -147,7 +150,7 @@ def handmade_placements_match_unsharded(rank, world):
         opt, ref = make(dts), make(plain)
         for step in range(3):
             g = torch.Generator().manual_seed(50 + step)
-            grads = [torch.randn(s, generator=g) for s in shapes]
+            grads = [torch.randn(s, generator=g).to(DEVICE) for s in shapes]
             for p, q, grad, pl in zip(dts, plain, grads, placements, strict=True):
                 p.grad = distribute_tensor(grad.clone(), mesh, pl)
                 q.grad = grad.clone()
