@@ -314,6 +314,10 @@ def sgd(lists: TensorLists, **kwargs) -> None:
 
 def adagrad(lists: TensorLists, **kwargs) -> None:
     """Adagrad over [grad, param, sum(, out)]; see csrc/kernels.h."""
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::adagrad
+        from shardopt import _custom_ops
+
+        return _custom_ops.adagrad(lists, **kwargs)
     _call("adagrad", lists, writes=(1, 2, 3), **kwargs)
 
 
@@ -324,6 +328,10 @@ def lamb_stage1(lists: TensorLists, **kwargs) -> tuple[Tensor, Tensor]:
     the update terms, in the order of ``lists``, on the tensors' device: fp32 (fp64 on CPU when
     every param is fp64); zeros for a skipped step.
     """
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::lamb_stage1
+        from shardopt import _custom_ops
+
+        return _custom_ops.lamb_stage1(lists, **kwargs)
     results = _call("lamb_stage1", lists, writes=(2, 3), **kwargs)
     if not results:
         empty = torch.zeros(0, dtype=torch.float32)
@@ -334,6 +342,10 @@ def lamb_stage1(lists: TensorLists, **kwargs) -> tuple[Tensor, Tensor]:
 
 def lamb_stage2(lists: TensorLists, w_norm: Tensor, u_norm: Tensor, **kwargs) -> None:
     """LAMB trust-ratio apply over [param, exp_avg, exp_avg_sq(, out)] with per-tensor norms."""
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::lamb_stage2
+        from shardopt import _custom_ops
+
+        return _custom_ops.lamb_stage2(lists, w_norm, u_norm, **kwargs)
     _call(
         "lamb_stage2",
         lists,
@@ -346,6 +358,10 @@ def lamb_stage2(lists: TensorLists, w_norm: Tensor, u_norm: Tensor, **kwargs) ->
 
 def novograd(lists: TensorLists, v_norm: Tensor, **kwargs) -> None:
     """NovoGrad over [grad, param, exp_avg(, out)] with the per-tensor second moment."""
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::novograd
+        from shardopt import _custom_ops
+
+        return _custom_ops.novograd(lists, v_norm, **kwargs)
     _call("novograd", lists, per_tensor=(v_norm,), writes=(1, 2, 3), **kwargs)
 
 
@@ -355,6 +371,10 @@ def norm(tensors: Sequence[Tensor], max_norm: bool = False) -> tuple[Tensor, Ten
     fp32 results (fp64 when every input is fp64) on the tensors' device; empty input gives zeros.
     The tensors may mix dtypes and layouts (the kernel dispatches per tensor; see Note: layouts).
     """
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::norm
+        from shardopt import _custom_ops
+
+        return _custom_ops.norm(tensors, max_norm)
     from shardopt.optimizers.dtensor import local_lists
 
     lists = local_lists([tensors])
@@ -377,4 +397,8 @@ def scale(
 
     ``src`` and ``dst`` may mix dtypes and layouts (the kernels dispatch per dtype).
     """
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::scale
+        from shardopt import _custom_ops
+
+        return _custom_ops.scale(src, dst, found_inf, scale, scale_t)
     _call("scale", [src, dst], scale, scale_t, found_inf, writes=(1,), mixed_dtypes=True)

@@ -30,6 +30,17 @@ undone by a master: at the next step each master is kept only where it still rou
 else it takes the param's value. Writes are seen through each param's version counter (the
 optimizer's own writes go into the buffer and do not move it); writes through ``p.data`` bypass
 it and are not seen.
+
+Note: torch.compile. Dynamo never traces the engine: ``step``, ``zero_grad``, ``clip_grad_norm``,
+``grad_norm``, the grad hooks (grad_sync.py) and the param-sync forward hooks (param_sync.py) are
+``torch.compiler.disable``d. They issue collectives and wait on their handles, read host state
+(the unused-param flags, the params' data pointers) and keep Python bookkeeping that a graph
+cannot hold; traced, they split into many graphs, and a grad hook traced during a ``backward()``
+called inside a compiled function recompiles per param shape until Dynamo fails ("sources must
+not be empty for symbol ..."; upstream, docs/integrations.md). Disabled, each is one eager call
+(one graph break where compiled code calls it) that does exactly what it does in eager mode.
+A ``torch.compile(module)`` wrapper runs no module hooks inside its graph, so the forward wait of
+``overlap_param_sync`` waits for all of the wrapper's params when the wrapper itself is called.
 """
 
 from __future__ import annotations
@@ -225,6 +236,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         with self.grad_sync.no_sync():
             yield
 
+    @torch.compiler.disable  # see Note: torch.compile
     def grad_norm(self) -> torch.Tensor:
         """The L2 norm of the full averaged gradient (loss-scaled if the loss was scaled).
 
@@ -232,6 +244,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         """
         return self.amp.grad_norm()
 
+    @torch.compiler.disable  # see Note: torch.compile
     def clip_grad_norm(self, max_norm: float, grad_scaler=None) -> torch.Tensor:
         """Clips the grads as ``torch.nn.utils.clip_grad_norm_`` would on the full averaged grads.
 
@@ -258,6 +271,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     # -- the step --------------------------------------------------------------------------------
 
+    @torch.compiler.disable  # see Note: torch.compile
     @torch.no_grad()
     def step(self, closure=None, *, grad_scaler=None):  # noqa: D417
         """Syncs outstanding grads, updates this rank's shard and gathers the params back.
@@ -316,6 +330,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
     def _update(self, scalars: StepScalars) -> None:
         raise NotImplementedError
 
+    @torch.compiler.disable  # see Note: torch.compile
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops grads accumulated but not yet synced (``no_sync`` micro-batches) and any
         ``param.grad``, after finishing this iteration's collectives (none is dropped in flight).

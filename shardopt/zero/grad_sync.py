@@ -72,6 +72,7 @@ class GradSync:
         # collected (not when some wrapper forwarding to the optimizer is).
         ref = weakref.WeakMethod(self._on_grad)
 
+        @torch.compiler.disable  # see Note: torch.compile (shardopt/zero/engine.py)
         def hook(p: torch.Tensor) -> None:
             method = ref()
             if method is not None:
@@ -135,6 +136,7 @@ class GradSync:
         if self.overlap:
             self._launch_ready(force=False)
 
+    @torch.compiler.disable  # queued on the autograd engine, as the hook above
     def _end_backward(self) -> None:
         it = self.iteration
         it.end_queued = False

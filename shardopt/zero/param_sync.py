@@ -118,12 +118,15 @@ class ParamSync:
             self._forward_hook = None
 
     def _buckets_of(self, module: torch.nn.Module) -> list[BucketId]:
-        """The buckets holding a module's own params (cached per module)."""
+        """The buckets holding a module's own params (cached per module); all of its params for
+        a ``torch.compile(module)`` wrapper, whose graph runs no hooks of the modules inside (see
+        Note: torch.compile in engine.py)."""
         found = self._module_buckets.get(id(module))
         if found is None:
             sharded = self.sharded
             found = []
-            for p in module.parameters(recurse=False):
+            compiled = isinstance(getattr(module, "_orig_mod", None), torch.nn.Module)
+            for p in module.parameters(recurse=compiled):
                 i = sharded.param_index.get(id(p))
                 if i is not None:
                     ki = sharded.param_key[i].index
@@ -137,6 +140,7 @@ class ParamSync:
         ``model.state_dict()`` sees the new values with overlap too."""
         ref = weakref.ref(self)
 
+        @torch.compiler.disable  # see Note: torch.compile (shardopt/zero/engine.py)
         def wait_in_state_dict(module, prefix, keep_vars):
             sync = ref()
             if sync is not None:
@@ -145,6 +149,7 @@ class ParamSync:
 
         seen: set[int] = set()
 
+        @torch.compiler.disable
         def watch(module, args):
             sync = ref()
             if sync is None or id(module) in seen:
@@ -160,6 +165,7 @@ class ParamSync:
             return
         ref = weakref.ref(self)
 
+        @torch.compiler.disable
         def wait_before_forward(module, args):
             sync = ref()
             if sync is None:
