@@ -75,7 +75,7 @@ for s in "$@"; do
                timeout 150 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train_gpt.py \
                  --state-format "$f" --steps "${QUALITY_STEPS:-300}" --model "${QUALITY_MODEL:-small}" \
                  --out-dir "$OUT/quality_$f" --no-progress > "$OUT/quality_$f.log" 2>&1
-               echo "$f: $(grep -E 'val|loss' "$OUT/quality_$f.log" | tail -1)"
+               echo "$f: $(grep -E "^final:" "$OUT/quality_$f.log" | tail -1)"
              done ;;
     *) echo "unknown stage $s" ;;
   esac
