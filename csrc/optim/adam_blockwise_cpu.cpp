@@ -55,7 +55,7 @@ void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
     int16_t* rk = Ty::remainder ? r[k] : nullptr;
     C* mk = m[k];
     C* vk = v[k];
-    Tile t;
+    Tile<kBlock> t;
     for (int64_t b0 = s; b0 < e; b0 += kBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kBlock, e - b0));
       const int64_t block = b0 / kBlock;

@@ -53,29 +53,30 @@ struct Master {
 };
 
 // ---- CPU: tiles ---------------------------------------------------------------------------------
-// The CPU kernels work through a tensor in tiles of kTile elements (a block of the blockwise
-// formats): each loads into float buffers, runs the update over them, then stores. Every phase is
-// a plain loop over one or two buffers, which GCC vectorises (it did not vectorise the fused loop
-// once int16 remainders were in it). update_tile's expression is adam_cpu.cpp's, so an fp32
-// master with fp32 moments gives its bits.
-constexpr int kTile = codec::kBlock;
-
+// The CPU kernels work through a tensor in tiles of N elements (adam_blockwise: one block;
+// adam_compact: 1024, to amortise the loops' setup): each loads into float buffers, runs the
+// update over them, then stores. Every phase is a plain loop over one or two buffers, which GCC
+// vectorises (it did not vectorise one fused loop with int16 remainders or 16-bit conversions).
+// update_tile's expression is adam_cpu.cpp's, so an fp32 master with fp32 moments gives its bits.
+template <int N>
 struct Tile {
-  float g[kTile];
-  float p[kTile];
-  float m[kTile];
-  float v[kTile];
+  static constexpr int kSize = N;
+  float g[N];
+  float p[N];
+  float m[N];
+  float v[N];
 };
 
-template <typename M, typename G, typename P>
-inline void load_tile(Tile& t, const G* g, const P* p, const int16_t* r, int64_t i0, int n) {
+template <typename M, typename T, typename G, typename P>
+inline void load_tile(T& t, const G* g, const P* p, const int16_t* r, int64_t i0, int n) {
 #pragma omp simd
   for (int j = 0; j < n; ++j) t.g[j] = codec::to_float(g[i0 + j]);
 #pragma omp simd
   for (int j = 0; j < n; ++j) t.p[j] = M::load(p, r, i0 + j);
 }
 
-inline void update_tile(Tile& t, int n, float gs, const adam::Hyper<float>& h) {
+template <typename T>
+inline void update_tile(T& t, int n, float gs, const adam::Hyper<float>& h) {
   const auto hl = h;  // local copies: stores through the buffers cannot alias them
   const float gsl = gs;
 #pragma omp simd
@@ -86,8 +87,8 @@ inline void update_tile(Tile& t, int n, float gs, const adam::Hyper<float>& h) {
   }
 }
 
-template <typename M, typename P>
-inline void store_master(const Tile& t, P* p, int16_t* r, int64_t i0, int n) {
+template <typename M, typename T, typename P>
+inline void store_master(const T& t, P* p, int16_t* r, int64_t i0, int n) {
 #pragma omp simd
   for (int j = 0; j < n; ++j) M::store(p, r, i0 + j, t.p[j]);
 }
