@@ -16,6 +16,11 @@
 // An optional trailing "out" slot receives the updated param cast to its dtype (fp32 master in,
 // low-precision param out, same pass).
 //
+// adam_compact and adam_blockwise take 7 lists [grads, params, remainders, exp_avg, exp_avg_sq,
+// exp_avg_scales, exp_avg_sq_scales] with compact state (docs/spec.md "Compact state formats";
+// adam_compact_math.h): the remainders list may be empty, the scale lists are empty for
+// adam_compact and hold ceil(numel / 256) fp32 scales per tensor for adam_blockwise; no out slot.
+//
 // LAMB is two calls so per-tensor norms can be reduced across shards in between: lamb_stage1
 // updates the moments over [grad, param, exp_avg, exp_avg_sq] and returns the per-tensor sums of
 // squares (w_sq, u_sq) of the param before the update and of the update term, taken in the same

@@ -56,7 +56,7 @@ CSRC = _find_csrc()
 
 # The optimizers, by source stem: csrc/optim/<stem>_math.h, <stem>_cpu.cpp and <stem>_cuda.cu. Their
 # kernel entry points (declarations and Python bindings) are listed in csrc/kernels.def.
-OPTIMIZERS = ["adam", "sgd", "adagrad", "lamb", "novograd"]
+OPTIMIZERS = ["adam", "adam_compact", "adam_blockwise", "sgd", "adagrad", "lamb", "novograd"]
 # The norm and scale kernels: csrc/norm/<stem>_cpu.cpp and <stem>_cuda.cu.
 NORM_KERNELS = ["norm", "scale"]
 
@@ -94,7 +94,18 @@ def sources(with_cuda: bool, root: Path = CSRC) -> list[str]:
 
 # -freciprocal-math turns divisions by loop-invariant values (bias corrections) into
 # multiplications; results stay within an ulp, far inside docs/spec.md's tolerances.
-_CXX_COMMON = ["-O3", "-fopenmp", "-fopenmp-simd", "-fno-math-errno", "-freciprocal-math"]
+# -ffp-contract=off: no implicit fused multiply-adds (explicit fma() calls stay). GCC otherwise
+# fuses a * b + c * d one way in a loop's vector body and the other in its epilogue, so an
+# element's bits would depend on where it falls; with it every loop over the same math gives the
+# same bits (adam_compact's fp32 path is bit-identical to adam's: docs/spec.md).
+_CXX_COMMON = [
+    "-O3",
+    "-fopenmp",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-freciprocal-math",
+    "-ffp-contract=off",
+]
 LINK_ARGS = ["-fopenmp"]
 # Ahead-of-time (release) builds: no debug info (Python's own CFLAGS carry -g: 21 MB modules), and
 # calls inside a module bind to that module's own copies, never to a sibling ISA module's.

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,6 +41,18 @@ bool check_tensor_lists(const std::vector<std::vector<at::Tensor>>& lists, size_
 void check_tensor_lists_no_out(const std::vector<std::vector<at::Tensor>>& lists,
                                       size_t depth, c10::DeviceType device_type, const char* name,
                                       bool mixed_dtypes = false, const char* slots = "");
+
+// The 7 lists of the compact Adam kernels (adam_compact_math.h: grads, params, remainders,
+// exp_avg, exp_avg_sq, exp_avg_scales, exp_avg_sq_scales): list lengths (remainders empty or one
+// per param; scales one per param for the blockwise kernel, else empty), every element tensor
+// dense, on one device of `device_type`, with its position's numel, one dtype per list, laid out as
+// its param (blockwise: contiguous, since blocks follow the element order); remainders int16,
+// exp_avg and exp_avg_sq of one dtype among `state_dtypes`; scales contiguous float32 tensors of
+// ceil(numel / 256) elements. Grad and param dtypes are checked by dispatch_master. Returns whether
+// remainders are present.
+bool check_compact_lists(const std::vector<std::vector<at::Tensor>>& lists, bool blockwise,
+                         c10::DeviceType device_type, const char* name,
+                         std::initializer_list<at::ScalarType> state_dtypes);
 
 // The out slot's dtype if present.
 std::optional<at::ScalarType> out_dtype(const std::vector<std::vector<at::Tensor>>& lists,

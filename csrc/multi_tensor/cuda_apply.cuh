@@ -57,7 +57,7 @@ constexpr int max_tensors(int depth) { return (kMetaBytes - 32) / (8 * depth + 1
 
 template <int Depth>
 struct ChunkMeta {
-  static_assert(Depth >= 1 && Depth <= 5, "ChunkMeta supports 1 to 5 slots");
+  static_assert(Depth >= 1 && Depth <= 7, "ChunkMeta supports 1 to 7 slots");
   static constexpr int kMaxTensors = max_tensors(Depth);
   void* addresses[Depth][kMaxTensors];
   int64_t numel[kMaxTensors];
@@ -69,7 +69,8 @@ struct ChunkMeta {
 };
 static_assert(sizeof(ChunkMeta<1>) <= kMetaBytes && sizeof(ChunkMeta<2>) <= kMetaBytes &&
                   sizeof(ChunkMeta<3>) <= kMetaBytes && sizeof(ChunkMeta<4>) <= kMetaBytes &&
-                  sizeof(ChunkMeta<5>) <= kMetaBytes,
+                  sizeof(ChunkMeta<5>) <= kMetaBytes && sizeof(ChunkMeta<6>) <= kMetaBytes &&
+                  sizeof(ChunkMeta<7>) <= kMetaBytes,
               "kernel arguments must leave room for the functor");
 
 // What one block works on.

@@ -70,6 +70,43 @@ void dispatch_types(at::ScalarType grad, at::ScalarType param, std::optional<at:
               out.has_value() ? " out=" : "", out.has_value() ? c10::toString(*out) : "");
 }
 
+// The compact Adam kernels (adam_compact, adam_blockwise): grad G in {f32, f16, bf16} and the
+// master stored as P = f32, or P = bf16 with an int16 remainder (Rem), or P in {bf16, f16} alone.
+template <typename G, typename P, bool Rem>
+struct MasterTypes {
+  using grad_t = G;
+  using param_t = P;
+  static constexpr bool remainder = Rem;
+};
+
+// Calls f(MasterTypes<...>{}) for the (grad, param, remainder) combination, or raises.
+template <typename F>
+void dispatch_master(at::ScalarType grad, at::ScalarType param, bool remainder, const char* name,
+                     F&& f) {
+  auto with_grad = [&](auto param_tag, auto rem_tag) {
+    using P = decltype(param_tag);
+    constexpr bool kRem = decltype(rem_tag)::value;
+    switch (grad) {
+      case at::kFloat: return f(MasterTypes<float, P, kRem>{});
+      case at::kHalf: return f(MasterTypes<c10::Half, P, kRem>{});
+      case at::kBFloat16: return f(MasterTypes<c10::BFloat16, P, kRem>{});
+      default: TORCH_CHECK(false, name, ": grads must be Float, Half or BFloat16, got ", grad);
+    }
+  };
+  TORCH_CHECK(!remainder || param == at::kBFloat16, name,
+              ": remainders go with bf16 params (the master's upper half), got params of dtype ",
+              param);
+  switch (param) {
+    case at::kFloat: return with_grad(float{}, std::false_type{});
+    case at::kHalf: return with_grad(c10::Half{}, std::false_type{});
+    case at::kBFloat16:
+      return remainder ? with_grad(c10::BFloat16{}, std::true_type{})
+                       : with_grad(c10::BFloat16{}, std::false_type{});
+    default:
+      TORCH_CHECK(false, name, ": params must be Float (a master), BFloat16 or Half, got ", param);
+  }
+}
+
 // Calls f(T{}) with T the storage type of a single-dtype list (norm, scale).
 template <typename F>
 void dispatch_float(at::ScalarType dtype, const char* name, F&& f) {

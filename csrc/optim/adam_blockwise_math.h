@@ -1,0 +1,47 @@
+// Adam over blockwise compact state (docs/spec.md "Compact state formats"): the two formats as
+// codec policies over state_codec.h, shared by adam_blockwise_{cpu.cpp,cuda.cu}. Per block of
+// codec::kBlock elements both backends decode m and v, run adam::update<float> per element (the
+// master as adam_compact_math.h stores it), take the new amax of m and of v over the block, and
+// encode both with their block's new scale.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+#include "adam_compact_math.h"
+#include "state_codec.h"
+
+namespace shardopt {
+namespace adam_blockwise {
+
+// "scaled_fp16": fp16 codes of x * (1 / s), s a power of two per block.
+struct ScaledFp16 {
+  using code_t = c10::Half;
+  static constexpr bool kTables = false;
+
+  static SHARDOPT_HD codec::Scale scale(uint32_t amax) { return codec::fp16_scale(amax); }
+  static SHARDOPT_HD float decode(code_t c, float s, const codec::Int8Tables*) {
+    return codec::to_float(c) * s;
+  }
+  static SHARDOPT_HD code_t encode(float x, const codec::Scale& s, const codec::Int8Tables*) {
+    return codec::from_float<code_t>(x * s.inv);
+  }
+};
+
+// "int8": indices into the dynamic map (m: signed, v: unsigned) of x * (1 / amax).
+struct Int8 {
+  using code_t = uint8_t;
+  static constexpr bool kTables = true;
+
+  static SHARDOPT_HD codec::Scale scale(uint32_t amax) { return codec::int8_scale(amax); }
+  static SHARDOPT_HD float decode(code_t c, float s, const codec::Int8Tables* t) {
+    return t->map[static_cast<int32_t>(c)] * s;
+  }
+  static SHARDOPT_HD code_t encode(float x, const codec::Scale& s, const codec::Int8Tables* t) {
+    return codec::int8_code(s.finite ? x * s.inv : 0.f, *t);  // a non-finite block: zero codes
+  }
+};
+
+}  // namespace adam_blockwise
+}  // namespace shardopt

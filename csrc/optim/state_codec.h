@@ -1,0 +1,233 @@
+// The compact state codec of shardopt/state_codec.py, bit for bit, host and device (see Note:
+// compact state formats there): the fp32 master split into a bf16 param and an int16 remainder,
+// the block amax, the scales of the blockwise formats and the int8 code search. Used by
+// adam_compact_{cpu,cuda} and adam_blockwise_{cpu,cuda}; fp32 and integer arithmetic only, no
+// math library call, so both backends and torch give the same bits.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "math_common.h"
+#include "quantization_map.h"
+
+namespace shardopt {
+namespace codec {
+
+constexpr int kBlock = 256;  // elements per block of the blockwise formats (state_codec.BLOCK)
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
+constexpr uint32_t kInfBits = 0x7F800000u;
+constexpr uint32_t kNanBits = 0x7FC00000u;
+constexpr uint32_t kMinNormalBits = 0x00800000u;  // 2^-126
+
+SHARDOPT_HD uint32_t bits_of(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+SHARDOPT_HD float float_of(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+
+// fp16 <-> fp32 on the host: the branch-free conversions of Marat Dukhan's FP16 library
+// (c10::Half's own path without F16C), which the CPU loops vectorise; c10::Half uses scalar F16C
+// intrinsics where it can, and those keep a loop from vectorising. Exact, rounding to nearest
+// even like the hardware (NaN payloads aside). The device uses c10::Half.
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = float_of((two_w >> 4) + (0xE0u << 23)) * float_of(0x07800000u);
+  const float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
+  return float_of(sign | (two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized)));
+}
+
+inline uint16_t float_to_half_bits(float f) {
+  float base = (float_of(bits_of(f) & kAbsMask) * float_of(239u << 23)) * float_of(17u << 23);
+  const uint32_t w = bits_of(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = float_of((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = bits_of(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// Element conversions to and from the float registers: static_cast, except fp16 on the host.
+template <typename T>
+SHARDOPT_HD float to_float(T x) {
+#if !defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, c10::Half>) return half_bits_to_float(x.x);
+#endif
+  return static_cast<float>(x);
+}
+
+template <typename T>
+SHARDOPT_HD T from_float(float x) {
+#if !defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    return c10::Half(float_to_half_bits(x), c10::Half::from_bits());
+  }
+#endif
+  return static_cast<T>(x);
+}
+
+// ---- the master: bf16 param bits (hi) + int16 remainder (lo) -----------------------------------
+
+// bits(master) = (hi << 16) + lo (mod 2^32): exact for every pattern.
+SHARDOPT_HD float join_master(uint16_t hi, int16_t lo) {
+  return float_of((static_cast<uint32_t>(hi) << 16) +
+                  static_cast<uint32_t>(static_cast<int32_t>(lo)));
+}
+
+// hi rounded half away from zero (in magnitude), lo the signed rest; a NaN gives a quiet NaN with
+// its sign and lo = 0. NaN is tested on the bits (immune to -ffast-math style assumptions).
+SHARDOPT_HD void split_master(float master, uint16_t& hi, int16_t& lo) {
+  const uint32_t u = bits_of(master);
+  const bool nan = (u & kAbsMask) > kInfBits;
+  hi = nan ? static_cast<uint16_t>(0x7FC0u | ((u >> 16) & 0x8000u))
+           : static_cast<uint16_t>((u + 0x8000u) >> 16);
+  lo = nan ? int16_t{0} : static_cast<int16_t>(static_cast<uint16_t>(u & 0xFFFFu));
+}
+
+// ---- blocks ------------------------------------------------------------------------------------
+
+// |x| as bits: an integer max of these is the block amax, with NaN above inf above any finite.
+SHARDOPT_HD uint32_t abs_bits(float x) { return bits_of(x) & kAbsMask; }
+
+// A block's scale and its exact (power of two) or fp32-rounded inverse.
+struct Scale {
+  float scale;
+  float inv;
+  bool finite;  // int8: false for a block holding inf/NaN (every code is then the zero code)
+};
+
+// scaled_fp16: s = 2^max(E - 15, -126) for amax = f * 2^E, f in [0.5, 1); 1 for amax 0 or not
+// finite. As biased exponents: e(s) = max(e(amax), 15) - 14, and 1 / s has 254 - e(s).
+SHARDOPT_HD Scale fp16_scale(uint32_t amax) {
+  const uint32_t biased = amax >> 23;
+  const uint32_t e = (amax == 0u || amax >= kInfBits) ? 127u : (biased > 15u ? biased : 15u) - 14u;
+  return {float_of(e << 23), float_of((254u - e) << 23), true};
+}
+
+// int8: scale = amax and inv = 1.0f / amax; scale 0 (codes of 0.0) below 2^-126; +inf or NaN for a
+// block holding inf or NaN.
+SHARDOPT_HD Scale int8_scale(uint32_t amax) {
+  if (amax < kMinNormalBits) return {0.f, 0.f, true};
+  if (amax >= kInfBits) return {float_of(amax > kInfBits ? kNanBits : kInfBits), 0.f, false};
+  const float a = float_of(amax);
+  return {a, 1.0f / a, true};
+}
+
+// ---- the int8 code search ----------------------------------------------------------------------
+//
+// code(xn) = #{j < 255 : mid[j] < xn}, mid[j] = (map[j] + map[j + 1]) * 0.5f. With z the code of
+// 0.0 (mid[j] < 0 exactly for j < z): for xn >= 0, code = z + #{positive mids < xn}; for xn < 0,
+// code = z - #{negative mids with |mid| <= |xn|} = z - #{nextdown(|mid|) < |xn|}. So both signs
+// count table entries below |xn| (side 0: the positive mids; side 1: nextdown of the negative
+// mids' magnitudes), each a lookup by the bits of |xn| (its exponent and 6 mantissa bits: 1537
+// buckets from 2^-24 to 1; every smaller |xn| is in bucket 0, which no entry reaches) giving the
+// entries below the bucket, plus kProbe comparisons with those inside it (at most 2 per bucket in
+// both maps; tests/test_adam_compact.py checks). Branch-free: the sign picks the side.
+
+constexpr int kProbe = 2;
+constexpr uint32_t kBucketFirst = 103u << 6;  // (bits >> 17) of 2^-24
+constexpr int kBuckets = (127 << 6) - (103 << 6) + 1;
+
+SHARDOPT_HD int bucket_of(uint32_t abs) {
+  const uint32_t k = abs >> 17;
+  const uint32_t b = k < kBucketFirst ? 0u : k - kBucketFirst;
+  return b < static_cast<uint32_t>(kBuckets - 1) ? static_cast<int>(b) : kBuckets - 1;
+}
+
+// The smallest |x| of bucket b (0 for bucket 0, which holds everything below bucket 1).
+SHARDOPT_HD float bucket_floor(int b) {
+  return b == 0 ? 0.f : float_of((static_cast<uint32_t>(b) + kBucketFirst) << 17);
+}
+
+// The tables of one map (host: built once; device: in shared memory per thread block). Flat,
+// 32-bit and indexed by int, so that the CPU loops gather them.
+constexpr int kSide = 256 + kProbe;
+struct Int8Tables {
+  float map[256];
+  float entries[2 * kSide];     // side s at [s * kSide, ...): ascending, then +inf
+  int32_t base[2 * kBuckets];  // side s at [s * kBuckets, ...): the entries below the bucket
+  int32_t count[2];             // entries per side
+  int32_t zero;                 // the code of 0.0
+};
+
+// Number of a[0..n) (ascending) below x.
+SHARDOPT_HD int count_below(const float* a, int n, float x) {
+  int lo = 0;
+  for (int step = 256; step > 0; step >>= 1) {
+    const int k = lo + step - 1;
+    if (k < n && a[k] < x) lo += step;
+  }
+  return lo;
+}
+
+// Building a table in three phases, each over indices i = first, first + stride, ... (host: 0, 1;
+// device: the threads of a block, synchronised between phases).
+SHARDOPT_HD void tables_fill_map(Int8Tables& t, const uint32_t* map_bits, bool is_signed, int first,
+                                 int stride) {
+  for (int i = first; i < 256; i += stride) t.map[i] = float_of(map_bits[i]);
+  if (first == 0) {
+    t.zero = is_signed ? 127 : 0;  // the negative values of the map
+    t.count[0] = 255 - t.zero;
+    t.count[1] = t.zero;
+  }
+}
+
+SHARDOPT_HD void tables_fill_entries(Int8Tables& t, int first, int stride) {
+  for (int j = first; j < 255 + 2 * kProbe; j += stride) {
+    if (j < 255) {
+      const float mid = (t.map[j] + t.map[j + 1]) * 0.5f;
+      if (j < t.zero) {
+        t.entries[kSide + t.zero - 1 - j] = float_of(abs_bits(mid) - 1u);  // nextdown(|mid|)
+      } else {
+        t.entries[j - t.zero] = mid;
+      }
+    } else {
+      const int side = (j - 255) / kProbe;  // kProbe pads after each side's entries
+      t.entries[side * kSide + t.count[side] + (j - 255) % kProbe] = float_of(kInfBits);
+    }
+  }
+}
+
+SHARDOPT_HD void tables_fill_buckets(Int8Tables& t, int first, int stride) {
+  for (int i = first; i < 2 * kBuckets; i += stride) {
+    const int side = i / kBuckets;
+    const int b = i % kBuckets;
+    t.base[i] = count_below(t.entries + side * kSide, t.count[side], bucket_floor(b));
+  }
+}
+
+SHARDOPT_HD uint8_t int8_code(float xn, const Int8Tables& t) {
+  const uint32_t u = bits_of(xn);
+  const uint32_t abs = u & kAbsMask;
+  const float ax = float_of(abs);
+  const int side = static_cast<int>(u >> 31);
+  const int k = t.base[side * kBuckets + bucket_of(abs)];
+  const int e = side * kSide + k;
+  const int c = k + (t.entries[e] < ax) + (t.entries[e + 1] < ax);
+  return static_cast<uint8_t>(side ? t.zero - c : t.zero + c);
+}
+
+}  // namespace codec
+}  // namespace shardopt
