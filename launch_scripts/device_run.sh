@@ -4,8 +4,8 @@
 # (bench_kernels.py), train (bench_train.py, 2 GPUs), ckpt (bench_checkpoint.py, 2 GPUs),
 # example (train_gpt.py, 2 GPUs), scaling (bench_train.py at 2, 4, ... up to all GPUs, weak
 # scaling, then the scaling table and plot; for nvidia-h200-x4 / -x8). Multi-GPU stages use
-# every GPU of the machine. More stages: formats (bench_state_formats.py, compact-storage modes of
-# bench_train.py), host (bench_host.py: single-process step overhead), deepspeed (installs the
+# every GPU of the machine. More stages: formats (bench_state_formats.py), formats_train (the
+# compact-storage modes of bench_train.py beside FSDP2), host (bench_host.py: single-process step overhead), deepspeed (installs the
 # wheels carried in .dswheels/, then bench_train.py's deepspeed_zero2 beside DDP), quality
 # (train_gpt.py per state format). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
 # the end (the device tool returns at most 8 files).
@@ -61,8 +61,8 @@ for s in "$@"; do
              python3 launch_scripts/plot_benchmarks.py --scaling "${runs[@]}" --out "$OUT" \
                > "$OUT/scaling.md" 2>&1; cat "$OUT/scaling.md" ;;
     formats) timeout 200 python3 launch_scripts/bench_state_formats.py --out "$OUT/bench_state_formats.json" \
-             > "$OUT/bench_state_formats.log" 2>&1; tail -25 "$OUT/bench_state_formats.log"
-             timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
+             > "$OUT/bench_state_formats.log" 2>&1; tail -25 "$OUT/bench_state_formats.log" ;;
+    formats_train) timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
              --modes shardopt_adam_overlap,shardopt_adam_scaled,shardopt_adam_int8,shardopt_adam_bf16,shardopt_adam_bf16_remainders,shardopt_adam_bf16_remainders_int8,fsdp2 \
              --out "$OUT/bench_train_formats.json" > "$OUT/bench_train_formats.log" 2>&1; tail -14 "$OUT/bench_train_formats.log" ;;
     host) timeout 200 python3 launch_scripts/bench_host.py --out "$OUT/bench_host.json" \
