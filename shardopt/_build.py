@@ -152,6 +152,10 @@ def compile_args(with_cuda: bool, cpu_flags: list[str] | None = None) -> dict[st
             "-DSHARDOPT_WITH_CUDA",
             "--expt-relaxed-constexpr",
             "-lineinfo",
+            # no implicit FMA contraction, as -ffp-contract=off on the CPU: nvcc fuses the same
+            # expression differently in different kernels (adam_compact's fp32 path must give
+            # adam's bits); the kernels are memory-bound, so this costs nothing measurable
+            "--fmad=false",
         ]
     return args
 
