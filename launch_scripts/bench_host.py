@@ -1,15 +1,18 @@
 """Host overhead of the single-process step: every fused class on many small tensors (issue 18).
 
-Per class, the median step on the GPT-2 124M tensor set (bench_kernels.py's shapes: 148 tensors)
-or on 1,000 tiny tensors, against torch.optim's fused optimizer where one exists, in fp32 and
-bf16. The contenders take turns step by step, so load from other processes hits them alike.
+Per class, the median step on the GPT-2 124M tensor set (bench_kernels.py's shapes: 148 tensors),
+on 1,000 tiny tensors or on four 4M-element tensors (``16m``, where a CPU step is bound by bytes),
+against torch.optim's fused optimizer where one exists, in fp32 and bf16. The contenders take
+turns step by step, so load from other processes hits them alike.
 
-- GPU: ``step ms`` is the device time of one step (CUDA events around it, read after the run),
-  ``host ms`` the time the ``step()`` call holds the CPU (no sync inside). With ``--graph`` (the
-  default on a GPU) each capturable contender is also captured in a CUDA graph after warm-up and
-  its replays timed the same way: shardopt's ``capturable=True`` FusedAdam and FusedLAMB,
-  FusedMixedPrecisionLamb, torch's ``capturable=True`` AdamW; the classes without a capturable
-  mode are captured as they are and report why if capture fails.
+- GPU: each timed step starts on an idle device (synchronize before it); ``step ms`` is the
+  time between CUDA events recorded around it (device work plus any wait for the host to issue
+  it: a host-bound step shows its host cost here), ``host ms`` the time the ``step()`` call holds
+  the CPU. With ``--graph`` (the default on a GPU) every contender is also captured in a CUDA
+  graph after warm-up and its replays are timed the same way: shardopt's ``capturable=True``
+  FusedAdam and FusedLAMB, FusedMixedPrecisionLamb and torch's ``capturable=True`` AdamW replay
+  real steps; the classes without a capturable mode replay the host lr and step of the captured
+  step (timing only), and a contender whose capture fails reports why.
 - CPU: ``perf_counter`` around each step (``step ms`` is the host time).
 
 ::
@@ -17,6 +20,7 @@ bf16. The contenders take turns step by step, so load from other processes hits 
     python launch_scripts/bench_host.py --out bench_host.json               # GPU: gpt2 fp32, bf16
     python launch_scripts/bench_host.py --device cpu --threads 1 --scale 0.01   # CPU: small tensors
     python launch_scripts/bench_host.py --device cpu --threads 1 --set tiny
+    python launch_scripts/bench_host.py --device cpu --threads 2 --set 16m --rounds 31
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SETS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
     "gpt2": lambda: gpt_shapes(vocab=50257, positions=1024, d=768, layers=12),
     "tiny": lambda: [(64,)] * 1000,
+    "16m": lambda: [(4_000_000,)] * 4,  # bound by bytes on a CPU: LAMB and NovoGrad against Adam
 }
 LR = 1e-3
 
@@ -43,10 +48,11 @@ CLASSES: dict[str, tuple[str, dict, type | None, dict]] = {
     "sgd": ("FusedSGD", {"momentum": 0.9}, torch.optim.SGD, {"momentum": 0.9}),
     "adagrad": ("FusedAdagrad", {}, torch.optim.Adagrad, {}),
     "lamb": ("FusedLAMB", {"weight_decay": 0.01}, None, {}),
+    "lamb_noclip": ("FusedLAMB", {"weight_decay": 0.01, "max_grad_norm": 0.0}, None, {}),
     "novograd": ("FusedNovoGrad", {}, None, {}),
     "mp_lamb": ("FusedMixedPrecisionLamb", {"weight_decay": 0.01}, None, {}),
 }
-CAPTURABLE = {"adam", "lamb"}  # shardopt classes with a capturable flag (mp_lamb always is)
+CAPTURABLE = {"adam", "lamb", "lamb_noclip"}  # with a capturable flag (mp_lamb always is)
 
 
 def make(algo: str, impl: str, params: list[torch.Tensor], graph: bool) -> torch.optim.Optimizer:
@@ -94,6 +100,7 @@ class Contender:
 
     def timed(self) -> None:
         if self.cuda:
+            torch.cuda.synchronize()  # an empty queue: the host time is not spent waiting on it
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         begin = time.perf_counter()

@@ -255,7 +255,7 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
             if planning and tensors is not None:
                 key = self._plan_key(w.group)
                 plans.add(w.index, GroupPlan(w, tensors, key, masters=self.master_weights))
-        if planning:
+        if planning and any(w.plan is None for w in work):  # the state may have been written
             plans.seal(self.state)
         return loss
 
