@@ -4,10 +4,10 @@ Subclasses implement ``_group_tensors(group, params)`` (the tensors their kernel
 grads: state, masters, outs; created on first use) and ``_apply(group, grads, tensors, as_is)``
 (the kernel calls of their update rule); the step keeps the first per group in a plan (see Note:
 step plans in step_plan.py). Everything users see in common (argument checks, the deprecated Apex
-step arguments, closures, ``zero_grad``, GradScaler hand-off, ``add_param_group``; the
-torch.optim-compatible state dict with its hooks is ``TorchStateDict``, state_dict.py) lives here
-once. ``check_hyperparams`` and ``check_torch_flags`` are also the argument
-checks of the ZeRO classes (shardopt/zero/optimizers.py).
+step arguments, closures, ``zero_grad``, GradScaler hand-off, ``add_param_group``) lives here
+once, and the torch.optim-compatible state dict with its hooks in ``TorchStateDict``
+(state_dict.py). ``check_hyperparams`` and ``check_torch_flags`` are also the argument checks of
+the ZeRO classes (shardopt/zero/optimizers.py).
 """
 
 from __future__ import annotations
