@@ -22,7 +22,10 @@ re-bound through ``p.data`` to another dtype, layout or device, a grad with othe
 kernels check every tensor before writing anything, so such a step is refused and fitted again
 by ``shardopt._ops`` exactly as the general path would; the lists themselves are the ones the
 general path builds. ``load_state_dict`` and ``add_param_group`` drop every plan; a group that
-fails its checks runs the general path, which plans it again.
+fails its checks runs the general path, which plans it again. A plain dict put into
+``optimizer.state`` by hand becomes a ``ParamState`` (a copy) at that group's next general step.
+While Dynamo traces a step (``torch.compile``) the general path runs and nothing is planned; a
+step captured in a CUDA graph runs whichever path holds at capture, host work only either way.
 """
 
 from __future__ import annotations
@@ -44,16 +47,8 @@ _DTYPE = operator.attrgetter("dtype")
 class StateWrites:
     """A counter of writes to the per-param state dicts of one optimizer."""
 
-    __slots__ = ("count",)
-
     def __init__(self) -> None:
         self.count = 0
-
-    def __getstate__(self) -> int:
-        return self.count
-
-    def __setstate__(self, count: int) -> None:
-        self.count = count
 
 
 class ParamState(dict):
