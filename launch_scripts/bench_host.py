@@ -21,6 +21,7 @@ turns step by step, so load from other processes hits them alike.
     python launch_scripts/bench_host.py --device cpu --threads 1 --scale 0.01   # CPU: small tensors
     python launch_scripts/bench_host.py --device cpu --threads 1 --set tiny
     python launch_scripts/bench_host.py --device cpu --threads 2 --set 16m --rounds 31
+    python launch_scripts/bench_host.py --device cpu --threads 1 --scale 0.01 --profile adam
 """
 
 from __future__ import annotations
@@ -173,6 +174,21 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print(f"  not measured: {r['mode']} {r['optimizer']} {r['impl']}: {r['error']}")
 
 
+def profile(algo: str, device: torch.device, args) -> None:
+    """``cProfile`` of 500 steps of one shardopt class (after warm-up): where the host time goes."""
+    import cProfile
+    import pstats
+
+    shapes = scaled(SETS[args.set](), args.scale)
+    c = Contender(algo, "shardopt", shapes, DTYPES[args.dtypes[0]], device, False, 3)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(500):
+        c.opt.step()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,6 +206,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="also time CUDA-graph replays (default: on with cuda)",
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="CLASS",
+        help="instead of timing, cProfile 500 steps of this shardopt class (first dtype)",
+    )
     parser.add_argument("--out", default=None, help="write the results as JSON to this file")
     args = parser.parse_args()
     if args.device is None:
@@ -198,7 +220,7 @@ def parse_args() -> argparse.Namespace:
         args.dtypes = "fp32,bf16" if args.device == "cuda" else "fp32"
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.classes = [c for c in args.classes.split(",") if c]
-    for c in args.classes:
+    for c in args.classes + ([args.profile] if args.profile else []):
         if c not in CLASSES:
             parser.error(f"unknown class {c!r}; choose from {', '.join(CLASSES)}")
     if args.graph is None:
@@ -220,6 +242,9 @@ def main() -> None:
         f"threads {env['torch_threads']}  set {args.set} (scale {args.scale}), "
         f"{args.rounds} rounds"
     )
+    if args.profile:
+        profile(args.profile, device, args)
+        return
     rows = []
     for dtype_name in args.dtypes:
         for graph in [False, True] if args.graph else [False]:
