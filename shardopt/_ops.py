@@ -226,6 +226,38 @@ def _signature_groups(lists: TensorLists) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+def fits_as_is(lists: TensorLists) -> bool:
+    """Whether every kernel call over (subsets of the slots of) ``lists`` can take them as they
+    are: plain tensors, all contiguous, one dtype per slot. See Note: lists passed as they are."""
+    from shardopt.optimizers.dtensor import any_dtensor
+
+    return _as_they_are(lists, mixed_dtypes=False) and not any(map(any_dtensor, lists))
+
+
+def as_is_kwargs(as_is: bool) -> dict[str, bool]:
+    """``{"as_is": True}`` or nothing: the keyword reaches ``_call`` only when set, so the
+    torch.compile route of the public wrappers never sees it."""
+    return {"as_is": True} if as_is else {}
+
+
+# Note: lists passed as they are
+# A single-process optimizer that has seen its lists fit the kernels (``fits_as_is``: plain
+# tensors, all contiguous, one dtype per slot) passes ``as_is=True`` on later steps, and ``_call``
+# hands the lists to the kernel without looking at any tensor (shardopt/optimizers/step_plan.py,
+# Note: step plans). That is safe because the kernels check every tensor before they read or
+# write anything and name themselves at the start of every message (csrc/multi_tensor/checks.h):
+# if something changed since (a grad with other strides, a param re-bound to another layout or
+# dtype), the kernel refuses, nothing has been written, and ``_call`` fits the same lists as it
+# always does, which either takes them through temporaries and signature splits or raises the
+# error it would have raised anyway. A list the kernel accepts is one the fitting would have
+# passed unchanged in one call, so both routes give the same bits.
+
+
+def _refused(name: str, exc: Exception) -> bool:
+    """Whether ``exc`` is kernel ``name`` refusing its arguments (raised before any write)."""
+    return str(exc).startswith(name)
+
+
 def _call(
     name: str,
     lists: TensorLists,
@@ -234,6 +266,7 @@ def _call(
     param_slot: int = 1,
     writes: Sequence[int] = (),
     mixed_dtypes: bool = False,
+    as_is: bool = False,
     **kwargs,
 ) -> list[tuple[Sequence[int], Any]]:
     """Runs kernel ``name`` over ``lists``: the one place where lists are fitted to the kernels.
@@ -242,11 +275,12 @@ def _call(
     Note: layouts; ``param_slot`` is the slot that sets the layout, ``writes`` the slots copied
     back), and lists that mix dtypes within a slot are split into one call per dtype signature
     (unless ``mixed_dtypes``: the kernel dispatches per tensor). ``per_tensor`` vectors (one entry
-    per position) are sliced to each call. Returns each call's positions with its result.
+    per position) are sliced to each call. ``as_is`` tries the lists unchanged first (see Note:
+    lists passed as they are). Returns each call's positions with its result.
     """
     from shardopt.optimizers.dtensor import local_lists
 
-    lists = local_lists([lst for lst in lists if lst is not None])
+    lists = [lst for lst in lists if lst is not None]
     if not lists or not lists[0]:
         return []
     device = lists[0][0].device  # the kernel checks that every tensor is on it
@@ -254,6 +288,13 @@ def _call(
     if device.type == "cuda":
         per_tensor = [v.float() for v in per_tensor]
     n = len(lists[0])
+    if as_is:
+        try:
+            return [(range(n), kernel(lists, *per_tensor, *args, **kwargs))]
+        except (RuntimeError, TypeError, ValueError) as exc:
+            if not _refused(name, exc):
+                raise
+    lists = local_lists(lists)
     if _as_they_are(lists, mixed_dtypes):
         return [(range(n), kernel(lists, *per_tensor, *args, **kwargs))]
     lists, back = _layouts(name, lists, param_slot, writes)
@@ -365,11 +406,14 @@ def novograd(lists: TensorLists, v_norm: Tensor, **kwargs) -> None:
     _call("novograd", lists, per_tensor=(v_norm,), writes=(1, 2, 3), **kwargs)
 
 
-def norm(tensors: Sequence[Tensor], max_norm: bool = False) -> tuple[Tensor, Tensor]:
+def norm(
+    tensors: Sequence[Tensor], max_norm: bool = False, as_is: bool = False
+) -> tuple[Tensor, Tensor]:
     """Deterministic (total, per_tensor): sums of squares, or max |x| when ``max_norm``.
 
     fp32 results (fp64 when every input is fp64) on the tensors' device; empty input gives zeros.
     The tensors may mix dtypes and layouts (the kernel dispatches per tensor; see Note: layouts).
+    ``as_is`` tries them unchanged first (see Note: lists passed as they are).
     """
     if torch.compiler.is_compiling():  # traced as the custom op shardopt::norm
         from shardopt import _custom_ops
@@ -377,6 +421,12 @@ def norm(tensors: Sequence[Tensor], max_norm: bool = False) -> tuple[Tensor, Ten
         return _custom_ops.norm(tensors, max_norm)
     from shardopt.optimizers.dtensor import local_lists
 
+    if as_is and tensors:
+        try:
+            return _backend(tensors[0].device).norm(tensors, max_norm)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            if not _refused("norm", exc):
+                raise
     lists = local_lists([tensors])
     if not lists[0]:
         z = torch.zeros((), dtype=torch.float32)
@@ -392,6 +442,7 @@ def scale(
     found_inf: Tensor,
     scale: float = 1.0,
     scale_t: Tensor | None = None,
+    as_is: bool = False,
 ) -> None:
     """dst = src * scale (``scale_t`` if given); sets ``found_inf`` to 1 on any inf/nan in src.
 
@@ -401,7 +452,16 @@ def scale(
         from shardopt import _custom_ops
 
         return _custom_ops.scale(src, dst, found_inf, scale, scale_t)
-    _call("scale", [src, dst], scale, scale_t, found_inf, writes=(1,), mixed_dtypes=True)
+    _call(
+        "scale",
+        [src, dst],
+        scale,
+        scale_t,
+        found_inf,
+        writes=(1,),
+        mixed_dtypes=True,
+        **as_is_kwargs(as_is),
+    )
 
 
 _COMPACT_SLOTS = (

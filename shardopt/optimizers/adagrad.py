@@ -22,6 +22,7 @@ def adagrad_apply(
     outs: Sequence[torch.Tensor] | None,
     *,
     lr: float,
+    as_is: bool = False,
     **scalars: torch.Tensor | None,
 ) -> None:
     """One Adagrad update of the given tensors (one kernel launch per dtype signature)."""
@@ -32,6 +33,7 @@ def adagrad_apply(
         weight_decay=group["weight_decay"],
         adagrad_w_mode=group["adagrad_w_mode"],
         **scalars,
+        **_ops.as_is_kwargs(as_is),
     )
 
 
@@ -97,7 +99,12 @@ class FusedAdagrad(FusedOptimizer):
         )
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
-    def _update_group(self, group: dict, params: list, grads: list) -> None:
-        (sums,) = self._state_tensors(params)
-        scalars = maximize_scale(group, params[0].device)
-        adagrad_apply(group, grads, params, sums, None, lr=self._lr_scalar(group), **scalars)
+    def _group_tensors(self, group: dict, params: list) -> tuple:
+        return params, *self._state_tensors(params)
+
+    def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
+        params, sums = tensors
+        scalars = maximize_scale(group, grads[0].device)
+        adagrad_apply(
+            group, grads, params, sums, None, lr=self._lr_scalar(group), as_is=as_is, **scalars
+        )

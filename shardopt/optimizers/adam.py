@@ -31,9 +31,11 @@ def adam_apply(
     *,
     step: int,
     lr: float,
+    as_is: bool = False,
     **scalars: torch.Tensor | None,
 ) -> None:
-    """One Adam update of the given tensors with ``group``'s hyperparameters (one kernel launch)."""
+    """One Adam update of the given tensors with ``group``'s hyperparameters (one kernel launch;
+    ``as_is``: see Note: lists passed as they are, shardopt/_ops.py)."""
     beta1, beta2 = group["betas"]
     _ops.adam(
         [grads, params, exp_avg, exp_avg_sq] + ([outs] if outs is not None else []),
@@ -46,6 +48,7 @@ def adam_apply(
         bias_correction=group["bias_correction"],
         weight_decay=group["weight_decay"],
         **scalars,
+        **_ops.as_is_kwargs(as_is),
     )
 
 
@@ -133,12 +136,17 @@ class FusedAdam(FusedOptimizer):
             master_weights=master_weights,
         )
 
-    def _update_group(self, group: dict, params: list, grads: list) -> None:
-        scalars = self._device_scalars(group, params[0].device)
-        self._unscale_grads_in_place(grads, scalars)
-        scalars.update(maximize_scale(group, params[0].device))
+    def _group_tensors(self, group: dict, params: list) -> tuple:
         math_params, outs = self._masters(params)
         exp_avg, exp_avg_sq = self._state_tensors(params)
+        return math_params, outs, exp_avg, exp_avg_sq
+
+    def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
+        math_params, outs, exp_avg, exp_avg_sq = tensors
+        device = grads[0].device
+        scalars = self._device_scalars(group, device)
+        self._unscale_grads_in_place(grads, scalars, as_is)
+        scalars.update(maximize_scale(group, device))
         adam_apply(
             group,
             grads,
@@ -148,5 +156,6 @@ class FusedAdam(FusedOptimizer):
             outs,
             step=self._step_scalar(group),
             lr=self._lr_scalar(group),
+            as_is=as_is,
             **scalars,
         )

@@ -1,18 +1,19 @@
 """The base of every single-process fused optimizer: validation, step protocol, state dict.
 
-Subclasses implement ``_update_group(group, params, grads)`` with the kernel calls of their update
-rule; everything users see in common (argument checks, the deprecated Apex step arguments, closures,
-``zero_grad``, GradScaler hand-off, ``add_param_group``, a torch.optim-compatible state dict with
-its hooks) lives here once. ``check_hyperparams`` and ``check_torch_flags`` are also the argument
-checks of the ZeRO classes (shardopt/zero/optimizers.py).
+Subclasses implement ``_group_tensors(group, params)`` (the tensors their kernels take besides the
+grads: state, masters, outs; created on first use) and ``_apply(group, grads, tensors, as_is)``
+(the kernel calls of their update rule); the step keeps the first per group in a plan (see Note:
+step plans in step_plan.py). Everything users see in common (argument checks, the deprecated Apex
+step arguments, closures, ``zero_grad``, GradScaler hand-off, ``add_param_group``) lives here
+once, and the torch.optim-compatible state dict with its hooks in ``TorchStateDict``
+(state_dict.py). ``check_hyperparams`` and ``check_torch_flags`` are also the argument checks of
+the ZeRO classes (shardopt/zero/optimizers.py).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch
 
 from shardopt import _ops
 from shardopt.optimizers.dtensor import check_param_types
+from shardopt.optimizers.state_dict import TorchStateDict
+from shardopt.optimizers.step_plan import GroupPlan, GroupStep, ParamState, StepPlans
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -172,30 +175,6 @@ def maximize_scale(group: dict, device: torch.device) -> dict[str, torch.Tensor]
     return {"grad_scale_t": torch.full((1,), -1.0, dtype=torch.float32, device=device)}
 
 
-def _load_hyper(current: Any, saved: Any, written: set[int]) -> Any:
-    """The value of a loaded hyperparameter: never the saved object itself.
-
-    A 1-element tensor already in the group (a capturable lr, MixedPrecisionLamb's device lr) is
-    written in place, so a captured step keeps reading it; anything else is a deep copy, as
-    torch.optim does, so the loading optimizer never shares a tensor with the saved one.
-    """
-    if (
-        torch.is_tensor(current)
-        and current.numel() == 1
-        and id(current) not in written
-        and (isinstance(saved, numbers.Real) or (torch.is_tensor(saved) and saved.numel() == 1))
-    ):
-        written.add(id(current))
-        if torch.is_tensor(saved):
-            current.copy_(saved.detach().reshape(current.shape))
-        else:
-            current.fill_(saved)
-        return current
-    if torch.is_tensor(saved) and torch.is_tensor(current):
-        return saved.detach().to(current.device).clone()
-    return copy.deepcopy(saved)
-
-
 def device_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     """lr as the kernels' 1-element fp32 ``lr_t`` on ``device``; a tensor lr already there is a
     view, so writing into it (a scheduler, a captured step) changes what the kernels read."""
@@ -203,7 +182,7 @@ def device_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     return lr_t.to(device=device, dtype=torch.float32).reshape(1)
 
 
-class FusedOptimizer(torch.optim.Optimizer):
+class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
     """Common machinery of the fused single-process optimizers (not used directly)."""
 
     #: per-element state tensors of the update rule, in kernel slot order
@@ -233,6 +212,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         check_param_types(group["params"], type(self).__name__, first_index=first)
         check_param_dtypes([group], type(self).__name__, first_index=first)
         group.setdefault("step", 0)
+        self._plans().clear()
 
     # GradScaler hands grad_scale/found_inf to the optimizer (no host sync) only when capturable.
     @property
@@ -262,27 +242,77 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._before_step()
+        planning = not torch.compiler.is_compiling()  # Dynamo traces the general path
+        plans = self._plans()
+        work = self._collect(plans if planning else None)
+        self._before_step(work)
+        for w in work:
+            self._advance_step(w.group, w.grads[0].device)
+            if w.plan is not None:
+                self._apply(w.group, w.grads, w.plan.tensors, w.plan.as_is)
+                continue
+            tensors = self._update_group(w.group, w.params, w.grads)
+            if planning and tensors is not None:
+                key = self._plan_key(w.group)
+                plans.add(w.index, GroupPlan(w, tensors, key, masters=self.master_weights))
+        if planning and any(w.plan is None for w in work):  # the state may have been written
+            plans.seal(self.state)
+        return loss
+
+    def _plans(self) -> StepPlans:
+        plans = self.__dict__.get("_step_plans")  # absent after torch.optim's __setstate__
+        if plans is None:
+            plans = self._step_plans = StepPlans()
+        return plans
+
+    def _collect(self, plans: StepPlans | None) -> list[GroupStep]:
+        """Each group with grads: its params with grads, the grads, and its plan if it holds."""
+        if plans is not None:
+            plans.check_state(self.state)
+        owner = type(self).__name__
+        work = []
         first = 0
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             first, start = first + len(group["params"]), first
+            if plans is not None:
+                planned = plans.reuse(index, group, self._plan_key(group))
+                if planned is not None:
+                    work.append(planned)
+                    continue
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             for p in params:
-                check_grad(p, type(self).__name__)
-            _ops.check_param_devices(group["params"], type(self).__name__, first_index=start)
-            self._advance_step(group, params[0].device)
-            self._update_group(group, params, [p.grad for p in params])
-        return loss
+                check_grad(p, owner)
+            _ops.check_param_devices(group["params"], owner, first_index=start)
+            work.append(GroupStep(index, group, params, [p.grad for p in params], None))
+        return work
 
     # -- hooks for subclasses -------------------------------------------------------------------
 
-    def _before_step(self) -> None:
+    def _before_step(self, work: list[GroupStep]) -> None:
         """Work across all groups before the per-group updates (LAMB's global grad norm)."""
 
-    def _update_group(self, group: dict, params: list, grads: list) -> None:
+    def _group_tensors(self, group: dict, params: list) -> tuple:
+        """The tensors the kernels take besides the grads (lists in slot order), created on first
+        use; kept in the group's plan while it holds (see Note: step plans)."""
         raise NotImplementedError
+
+    def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
+        """The kernel calls of one group's update (``as_is``: see Note: lists passed as they are,
+        shardopt/_ops.py)."""
+        raise NotImplementedError
+
+    def _update_group(self, group: dict, params: list, grads: list) -> tuple | None:
+        """The general path of one group's update; returns the tensors to plan the next step with
+        (None: plan again next step)."""
+        tensors = self._group_tensors(group, params)
+        self._apply(group, grads, tensors, as_is=False)
+        return tensors
+
+    def _plan_key(self, group: dict) -> Any:
+        """What a group's tensors depend on besides its params, state and their dtypes."""
+        return self.master_weights
 
     # -- step counter, device scalars, masters ---------------------------------------------------
 
@@ -319,12 +349,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             scalars["found_inf_t"] = found_inf.to(device)
         return scalars
 
-    def _unscale_grads_in_place(self, grads: list, scalars: dict) -> None:
+    def _unscale_grads_in_place(self, grads: list, scalars: dict, as_is: bool) -> None:
         """Capturable AMP: grads are unscaled in place, so the kernel sees a scale of 1."""
         grad_scale_t = scalars.pop("grad_scale_t", None)
         if grad_scale_t is not None:
             flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
-            _ops.scale(grads, grads, flag, scale_t=grad_scale_t)
+            _ops.scale(grads, grads, flag, scale_t=grad_scale_t, as_is=as_is)
 
     def _lr_scalar(self, group: dict) -> float:
         lr = group["lr"]
@@ -344,12 +374,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         out: list[list[torch.Tensor]] = [[] for _ in self.state_names]
         for p in params:
-            state = self.state[p]
+            state = self._param_state(p)
             for k, name in enumerate(self.state_names):
                 if name not in state:
                     state[name] = torch.zeros_like(p, dtype=self._state_dtype(p))
                 out[k].append(state[name])
         return out
+
+    def _param_state(self, p: torch.Tensor) -> dict:
+        """``self.state[p]``, a ``ParamState`` (a plain dict put there by hand is replaced by one
+        with its items, so that writes to it are seen: Note: step plans)."""
+        state = self.state[p]
+        if type(state) is not ParamState:
+            state = self.state[p] = ParamState(self._plans().writes, state)
+        return state
 
     def _keeps_master(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is updated through an fp32 master (``master_weights``, fp16/bf16)."""
@@ -367,114 +405,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 masters.append(p)
                 outs.append(None)
                 continue
-            state = self.state[p]
+            state = self._param_state(p)
             if "master_param" not in state:
                 state["master_param"] = p.detach().float()  # preserve_format: p's layout
             masters.append(state["master_param"])
             outs.append(p)
         return masters, outs
-
-    # -- state dict (torch.optim format and hooks) ------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim format; per-param ``step`` entries are added so torch optimizers load it.
-
-        The ``register_state_dict_pre_hook`` / ``_post_hook`` hooks run as in torch.optim: the
-        post-hooks see (and may replace) the finished state dict.
-        """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        ids: dict[int, int] = {}
-        groups = []
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            for p in group["params"]:
-                ids.setdefault(id(p), len(ids))
-            packed["params"] = [ids[id(p)] for p in group["params"]]
-            groups.append(packed)
-        state = {(ids[id(k)] if torch.is_tensor(k) else k): v for k, v in self.state.items()}
-        for packed in groups:
-            step = packed.get("step", 0)
-            step_t = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
-            for pid in packed["params"]:
-                if pid in state:
-                    state[pid] = {**state[pid], "step": step_t.clone()}
-        sd: dict[str, Any] = {"state": state, "param_groups": groups}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, sd)
-            if result is not None:
-                sd = result
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state dict of this class or of the matching torch.optim optimizer.
-
-        State tensors keep full precision: state for fp16/bf16 params is restored in fp32.
-        Hyperparameters missing from the loaded groups keep this optimizer's values; loaded ones
-        are copies (a tensor lr is never shared with the optimizer that saved it). The
-        ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks run as in torch.optim.
-        """
-        state_dict = state_dict.copy()  # shallow, as torch.optim: a pre-hook may edit it
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        self._load_state_dict(state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved_groups = state_dict["param_groups"]
-        check_loaded_groups(saved_groups, self.param_groups, type(self).__name__)
-        new_groups, new_state = [], {}
-        written: set[int] = set()
-        for g, sg in zip(self.param_groups, saved_groups):
-            group = dict(g)
-            for k, v in sg.items():
-                if k == "step":  # made this optimizer's own below
-                    group[k] = v
-                elif k != "params":
-                    group[k] = _load_hyper(g.get(k), v, written)
-            steps = []
-            for p, pid in zip(g["params"], sg["params"]):
-                if pid not in state_dict["state"]:
-                    continue
-                entry = {}
-                for key, value in state_dict["state"][pid].items():
-                    if key == "step":
-                        steps.append(float(value))
-                    elif torch.is_tensor(value):
-                        entry[key] = self._restore_state_tensor(key, value, p)
-                    else:
-                        entry[key] = copy.deepcopy(value)
-                new_state[p] = entry
-            if "step" not in sg:
-                group["step"] = int(max(steps)) if steps else 0
-            step = group["step"]
-            if self.capturable and not torch.is_tensor(step):
-                group["step"] = torch.tensor(float(step), device=g["params"][0].device)
-            elif not self.capturable and torch.is_tensor(step):
-                group["step"] = int(step.item())
-            elif torch.is_tensor(step):
-                group["step"] = step.to(g["params"][0].device, torch.float32).clone()
-            new_groups.append(group)
-        self.param_groups = new_groups
-        self.state = defaultdict(dict, new_state)
-        self._after_load()
-
-    def _after_load(self) -> None:
-        """Subclass fix-ups of loaded groups (device and dtype of per-group tensors)."""
-
-    def _restore_state_tensor(self, key: str, value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        if not value.is_floating_point():
-            return value.to(device=p.device).clone()
-        dtype = torch.float32 if key == "master_param" else self._state_dtype(p)
-        value = value.to(device=p.device, dtype=dtype)
-        if (
-            type(value) is torch.Tensor
-            and value.shape == p.shape
-            and _ops.is_dense(p)
-            and not _ops.same_layout(value, p)
-        ):  # state saved for another layout of the param: take the param's, as new state does
-            return torch.empty_like(p, dtype=dtype).copy_(value)
-        return value.clone()

@@ -18,7 +18,6 @@ from shardopt import _ops
 from shardopt.optimizers import dtensor
 from shardopt.optimizers.fused_optimizer import (
     FusedOptimizer,
-    check_grad,
     check_torch_flags,
     reject_amsgrad,
 )
@@ -50,6 +49,7 @@ def lamb_stage1_apply(
     *,
     step: int,
     grad_scale_t: torch.Tensor,
+    as_is: bool = False,
     **scalars: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Moments; returns per-tensor sums of squares (of params, of update terms), same pass.
@@ -71,6 +71,7 @@ def lamb_stage1_apply(
         grad_scale_t=grad_scale_t,
         step_t=scalars.get("step_t"),
         found_inf_t=scalars.get("found_inf_t"),
+        **_ops.as_is_kwargs(as_is),
     )
 
 
@@ -85,6 +86,7 @@ def lamb_stage2_apply(
     *,
     lr: float,
     step: int,
+    as_is: bool = False,
     **scalars: torch.Tensor | None,
 ) -> None:
     """Trust ratio from the (fully reduced) per-tensor sums of squares, then the apply.
@@ -109,6 +111,7 @@ def lamb_stage2_apply(
         lr_t=scalars.get("lr_t"),
         step_t=scalars.get("step_t"),
         found_inf_t=scalars.get("found_inf_t"),
+        **_ops.as_is_kwargs(as_is),
     )
 
 
@@ -205,16 +208,13 @@ class FusedLAMB(FusedOptimizer):
         )
         self._grad_scale_t: torch.Tensor | None = None
 
-    def _before_step(self) -> None:
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        params = [p for p in all_params if p.grad is not None]
-        if not params:
+    def _before_step(self, work: list) -> None:
+        if not work:
             return
-        for p in params:
-            check_grad(p, type(self).__name__)
-        # the global grad norm spans every group: all of them must be on one device
-        _ops.check_param_devices(all_params, type(self).__name__)
-        grads = [p.grad for p in params]
+        grads = [g for w in work for g in w.grads]
+        if len({w.grads[0].device for w in work}) > 1:  # the global grad norm spans every group
+            all_params = [p for g in self.param_groups for p in g["params"]]
+            _ops.check_param_devices(all_params, type(self).__name__)
         device = grads[0].device
         inv_scale = None
         grad_scale = getattr(self, "grad_scale", None) if self.capturable else None
@@ -223,7 +223,9 @@ class FusedLAMB(FusedOptimizer):
         # max_grad_norm is read from the constructor defaults (Apex's behaviour).
         max_grad_norm = self.defaults["max_grad_norm"]
         if max_grad_norm > 0:
-            if dtensor.any_dtensor(grads):  # the norm of the full grads: shards' sums all-reduced
+            if all(w.plan is not None and w.plan.as_is for w in work):  # plain tensors
+                total_sq, _ = _ops.norm(grads, as_is=True)
+            elif dtensor.any_dtensor(grads):  # the norm of the full grads: shards' sums reduced
                 _, per = _ops.norm(grads)
                 total_sq = dtensor.reduce_per_tensor(per, grads).sum()
             else:
@@ -235,12 +237,16 @@ class FusedLAMB(FusedOptimizer):
             norm = torch.zeros(1, device=device)
         self._grad_scale_t = clip_scale(norm, max_grad_norm, inv_scale)
 
-    def _update_group(self, group: dict, params: list, grads: list) -> None:
-        device = params[0].device
-        scalars = self._device_scalars(group, device)
-        scalars.pop("grad_scale_t", None)
+    def _group_tensors(self, group: dict, params: list) -> tuple:
         math_params, outs = self._masters(params)
         exp_avg, exp_avg_sq = self._state_tensors(params)
+        return math_params, outs, exp_avg, exp_avg_sq, dtensor.any_dtensor(math_params)
+
+    def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
+        math_params, outs, exp_avg, exp_avg_sq, sharded = tensors
+        device = grads[0].device
+        scalars = self._device_scalars(group, device)
+        scalars.pop("grad_scale_t", None)
         step = self._step_scalar(group)
         w_sq, u_sq = lamb_stage1_apply(
             group,
@@ -250,9 +256,10 @@ class FusedLAMB(FusedOptimizer):
             exp_avg_sq,
             step=step,
             grad_scale_t=self._grad_scale_t.to(device),
+            as_is=as_is,
             **scalars,
         )
-        if dtensor.any_dtensor(math_params):  # ||w||, ||u|| of the full tensors
+        if sharded:  # ||w||, ||u|| of the full tensors
             n = len(math_params)
             both = dtensor.reduce_per_tensor(torch.cat([w_sq, u_sq]), list(math_params) * 2)
             w_sq, u_sq = both[:n], both[n:]
@@ -266,5 +273,6 @@ class FusedLAMB(FusedOptimizer):
             u_sq,
             lr=self._lr_scalar(group),
             step=step,
+            as_is=as_is,
             **scalars,
         )

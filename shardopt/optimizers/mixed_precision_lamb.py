@@ -129,3 +129,6 @@ class FusedMixedPrecisionLamb(FusedLAMB):
 
     def _keeps_master(self, p: torch.Tensor) -> bool:
         return p.dtype == self.reduced_precision_dtype
+
+    def _plan_key(self, group: dict) -> tuple:
+        return self.master_weights, self.reduced_precision_dtype

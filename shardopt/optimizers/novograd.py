@@ -37,18 +37,21 @@ def grad_norms(norm_type: int, sq_or_max: torch.Tensor) -> torch.Tensor:
 def blend_second_moment(
     v: torch.Tensor,
     n: torch.Tensor,
-    fresh: torch.Tensor,
+    fresh: torch.Tensor | None,
     *,
     beta2: float,
     norm_type: int,
     init_zero: bool,
 ) -> torch.Tensor:
-    """New second moments from the old ``v``, grad norms ``n`` and the mask of first updates."""
+    """New second moments from the old ``v``, grad norms ``n`` and the mask of first updates
+    (None: no first update)."""
     v = v.to(n.dtype)
     if norm_type == 2:
         blended = torch.sqrt(beta2 * v * v + (1 - beta2) * n * n)
     else:
         blended = beta2 * v + (1 - beta2) * n
+    if fresh is None:
+        return blended
     if init_zero:
         start = math.sqrt(1 - beta2) * n if norm_type == 2 else (1 - beta2) * n
     else:
@@ -66,6 +69,7 @@ def novograd_apply(
     *,
     step: int,
     lr: float,
+    as_is: bool = False,
     **scalars: torch.Tensor | None,
 ) -> None:
     """One NovoGrad update given the blended per-tensor second moments ``v``."""
@@ -83,6 +87,7 @@ def novograd_apply(
         grad_averaging=group["grad_averaging"],
         moment_mode=0 if group["reg_inside_moment"] else 1,
         **scalars,
+        **_ops.as_is_kwargs(as_is),
     )
 
 
@@ -168,29 +173,49 @@ class FusedNovoGrad(FusedOptimizer):
         )
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
-    def _update_group(self, group: dict, params: list, grads: list) -> None:
+    def _plan_key(self, group: dict) -> int | None:
+        second = group.get("exp_avg_sq")
+        return second.numel() if torch.is_tensor(second) else None
+
+    def _group_tensors(self, group: dict, params: list) -> tuple:
+        """(params, exp_avg, positions of ``params`` in the group (None: all of them), the mask
+        of params without state yet (None: none), whether any param is a DTensor)."""
         device = params[0].device
         all_params = group["params"]
-        dtype = _second_moment_dtype(all_params)
         if not torch.is_tensor(group.get("exp_avg_sq")):
+            dtype = _second_moment_dtype(all_params)
             group["exp_avg_sq"] = torch.zeros(len(all_params), dtype=dtype, device=device)
-        index = {id(p): i for i, p in enumerate(all_params)}
-        pos = torch.tensor([index[id(p)] for p in params], device=device)
-        fresh = torch.tensor(["exp_avg" not in self.state[p] for p in params], device=device)
+        pos = None  # all of them, in order
+        if not len(params) == len(all_params) == group["exp_avg_sq"].numel():
+            index = {id(p): i for i, p in enumerate(all_params)}
+            pos = torch.tensor([index[id(p)] for p in params], device=device)
+        fresh = None
+        if any("exp_avg" not in self.state[p] for p in params):
+            fresh = torch.tensor(["exp_avg" not in self.state[p] for p in params], device=device)
         (exp_avg,) = self._state_tensors(params)
-        _, per = _ops.norm(grads, max_norm=group["norm_type"] == 0)
-        if dtensor.any_dtensor(grads):  # norms of the full grads from the shards' partial ones
-            per = dtensor.reduce_per_tensor(per, grads, "max" if group["norm_type"] == 0 else "sum")
+        return params, exp_avg, pos, fresh, dtensor.any_dtensor(params)
+
+    def _update_group(self, group: dict, params: list, grads: list) -> tuple | None:
+        tensors = super()._update_group(group, params, grads)
+        return tensors if tensors[3] is None else None  # planned once every param has state
+
+    def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
+        params, exp_avg, pos, fresh, sharded = tensors
+        device = grads[0].device
+        max_norm = group["norm_type"] == 0
+        _, per = _ops.norm(grads, max_norm=max_norm, as_is=as_is)
+        if sharded:  # norms of the full grads from the shards' partial ones
+            per = dtensor.reduce_per_tensor(per, grads, "max" if max_norm else "sum")
         n = grad_norms(group["norm_type"], per.to(device))
+        second = group["exp_avg_sq"]
         v = blend_second_moment(
-            group["exp_avg_sq"].index_select(0, pos),
+            second if pos is None else second.index_select(0, pos),
             n,
             fresh,
             beta2=group["betas"][1],
             norm_type=group["norm_type"],
             init_zero=group["init_zero"],
         )
-        group["exp_avg_sq"].index_copy_(0, pos, v.to(group["exp_avg_sq"].dtype))
         novograd_apply(
             group,
             grads,
@@ -200,7 +225,13 @@ class FusedNovoGrad(FusedOptimizer):
             v,
             step=self._step_scalar(group),
             lr=self._lr_scalar(group),
+            as_is=as_is,
         )
+        # stored after the kernel, which checks its lists first: a refused step changes nothing
+        if pos is None:
+            second.copy_(v)
+        else:
+            second.index_copy_(0, pos, v.to(second.dtype))
 
     def _after_load(self) -> None:
         for group in self.param_groups:

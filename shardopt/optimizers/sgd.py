@@ -26,6 +26,7 @@ def sgd_apply(
     first_run: bool,
     lr: float,
     scale: float = 1.0,
+    as_is: bool = False,
     **scalars: torch.Tensor | None,
 ) -> None:
     """One SGD update; ``first_run`` initialises the momentum buffers to the grad (torch's rule)."""
@@ -40,6 +41,7 @@ def sgd_apply(
         wd_after_momentum=group["wd_after_momentum"],
         scale=scale,
         **scalars,
+        **_ops.as_is_kwargs(as_is),
     )
 
 
@@ -127,34 +129,43 @@ class FusedSGD(FusedOptimizer):
         fp16/bf16 params the kernel also rounds where torch.optim.SGD's tensor ops round."""
         return p.dtype
 
-    def _update_group(self, group: dict, params: list, grads: list) -> None:
-        scale = -1.0 if group.get("maximize", False) else 1.0
+    def _plan_key(self, group: dict) -> bool:
+        return group["momentum"] == 0  # without momentum the param stands in for the buffer
+
+    def _group_tensors(self, group: dict, params: list) -> tuple:
         if group["momentum"] == 0:
-            sgd_apply(
-                group,
-                grads,
-                params,
-                params,
-                None,
-                first_run=False,
-                lr=self._lr_scalar(group),
-                scale=scale,
-            )
-            return
+            return params, params
+        return params, *self._state_tensors(params)
+
+    def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
+        params, bufs = tensors
+        self._sgd(group, grads, params, bufs, first_run=False, as_is=as_is)
+
+    def _update_group(self, group: dict, params: list, grads: list) -> tuple | None:
+        if group["momentum"] == 0:
+            return super()._update_group(group, params, grads)
         # torch's rule: a param without a buffer starts it from its grad this step.
         fresh = [p for p in params if "momentum_buffer" not in self.state[p]]
+        if not fresh:
+            return super()._update_group(group, params, grads)
         seen = [p for p in params if "momentum_buffer" in self.state[p]]
         for first_run, subset in ((True, fresh), (False, seen)):
-            if not subset:
-                continue
-            (bufs,) = self._state_tensors(subset)
-            sgd_apply(
-                group,
-                [p.grad for p in subset],
-                subset,
-                bufs,
-                None,
-                first_run=first_run,
-                lr=self._lr_scalar(group),
-                scale=scale,
-            )
+            if subset:
+                (bufs,) = self._state_tensors(subset)
+                self._sgd(group, [p.grad for p in subset], subset, bufs, first_run=first_run)
+        return None  # planned at the next step, when every buffer exists
+
+    def _sgd(
+        self, group: dict, grads: list, params: list, bufs: list, first_run: bool, as_is=False
+    ) -> None:
+        sgd_apply(
+            group,
+            grads,
+            params,
+            bufs,
+            None,
+            first_run=first_run,
+            lr=self._lr_scalar(group),
+            scale=-1.0 if group.get("maximize", False) else 1.0,
+            as_is=as_is,
+        )
