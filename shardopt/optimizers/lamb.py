@@ -206,7 +206,10 @@ class FusedLAMB(FusedOptimizer):
             capturable=capturable,
             master_weights=master_weights,
         )
-        self._grad_scale_t: torch.Tensor | None = None
+        # this step's grad scale (clip coefficient x inverse loss scale), set by _before_step;
+        # a dict item, not an attribute: torch 2.11's Dynamo cannot trace a setattr on the
+        # optimizer inside a compiled step
+        self._step_tensors: dict[str, torch.Tensor] = {}
 
     def _before_step(self, work: list) -> None:
         if not work:
@@ -235,7 +238,7 @@ class FusedLAMB(FusedOptimizer):
                 norm = norm * inv_scale
         else:  # no clipping: the pass over the grads for their norm is skipped
             norm = torch.zeros(1, device=device)
-        self._grad_scale_t = clip_scale(norm, max_grad_norm, inv_scale)
+        self._step_tensors["grad_scale_t"] = clip_scale(norm, max_grad_norm, inv_scale)
 
     def _group_tensors(self, group: dict, params: list) -> tuple:
         math_params, outs = self._masters(params)
@@ -255,7 +258,7 @@ class FusedLAMB(FusedOptimizer):
             exp_avg,
             exp_avg_sq,
             step=step,
-            grad_scale_t=self._grad_scale_t.to(device),
+            grad_scale_t=self._step_tensors["grad_scale_t"].to(device),
             as_is=as_is,
             **scalars,
         )
