@@ -66,15 +66,15 @@ for s in "$@"; do
              --modes shardopt_adam_overlap,shardopt_adam_scaled,shardopt_adam_int8,shardopt_adam_bf16,shardopt_adam_bf16_remainders,shardopt_adam_bf16_remainders_int8,fsdp2 \
              --out "$OUT/bench_train_formats.json" > "$OUT/bench_train_formats.log" 2>&1; tail -14 "$OUT/bench_train_formats.log" ;;
     host) timeout 200 python3 launch_scripts/bench_host.py --out "$OUT/bench_host.json" \
-             > "$OUT/bench_host.log" 2>&1; tail -30 "$OUT/bench_host.log" ;;
-    deepspeed) pip install -q --no-index --no-deps .dswheels/*.whl > "$OUT/deepspeed_install.log" 2>&1
+             > "$OUT/bench_host.log" 2>&1; head -60 "$OUT/bench_host.log" ;;
+    deepspeed) python3 -m pip install -q --no-index --no-deps .dswheels/*.whl > "$OUT/deepspeed_install.log" 2>&1
              timeout 500 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
              --modes compute_floor,ddp_adamw,shardopt_adam_overlap,deepspeed_zero2,ddp_adamw_compiled,shardopt_adam_compiled \
              --out "$OUT/bench_train_peers.json" > "$OUT/bench_train_peers.log" 2>&1; tail -14 "$OUT/bench_train_peers.log" ;;
     quality) for f in fp32 bf16 scaled_fp16 int8; do
                timeout 150 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train_gpt.py \
                  --state-format "$f" --steps "${QUALITY_STEPS:-300}" --model "${QUALITY_MODEL:-small}" \
-                 --out-dir "$OUT/quality_$f" --no-progress > "$OUT/quality_$f.log" 2>&1
+                 --out-dir "/tmp/quality_$f" --no-progress > "$OUT/quality_$f.log" 2>&1
                echo "$f: $(grep -E "^final:" "$OUT/quality_$f.log" | tail -1)"
              done ;;
     *) echo "unknown stage $s" ;;
