@@ -68,8 +68,9 @@ for s in "$@"; do
     host) timeout 200 python3 launch_scripts/bench_host.py --out "$OUT/bench_host.json" \
              > "$OUT/bench_host.log" 2>&1; head -60 "$OUT/bench_host.log" ;;
     deepspeed) python3 -m pip install -q --no-index --no-deps .dswheels/*.whl > "$OUT/deepspeed_install.log" 2>&1
-             timeout 500 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
-             --modes compute_floor,ddp_adamw,shardopt_adam_overlap,deepspeed_zero2,ddp_adamw_compiled,shardopt_adam_compiled \
+             # DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as numbers ("9.0a" fails)
+             TORCH_CUDA_ARCH_LIST=9.0 timeout 500 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
+             --modes "${PEER_MODES:-compute_floor,ddp_adamw,shardopt_adam_overlap,deepspeed_zero2,ddp_adamw_compiled,shardopt_adam_compiled}" \
              --out "$OUT/bench_train_peers.json" > "$OUT/bench_train_peers.log" 2>&1; tail -14 "$OUT/bench_train_peers.log" ;;
     quality) for f in fp32 bf16 scaled_fp16 int8; do
                timeout 150 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train_gpt.py \
