@@ -300,6 +300,8 @@ def setup_deepspeed_zero2(model, device, args) -> Setup:
             "allgather_bucket_size": 5e8,
         },
         "gradient_clipping": 0.0,
+        # bf16 autocast inside the engine too (else it disables the caller's: fp32 compute)
+        "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
