@@ -13,7 +13,7 @@
 
 namespace shardopt {
 
-// See Note: layouts (shardopt/_ops.py). A kernel reads every tensor as the flat array of its numel
+// See Note: layouts (shardopt/_layouts.py). A kernel reads every tensor as the flat array of its numel
 // elements from data_ptr(), so a tensor must be non-overlapping and dense (contiguous,
 // channels_last, a permuted view; any storage offset), and the tensors at one position of the
 // lists must order their elements alike: all contiguous (their shapes may then differ), or one
