@@ -240,7 +240,12 @@ def test_blockwise_cuda_is_bit_identical_to_fp32_operations(options, master, fmt
             got = [state.params[i]] + ([state.remainders[i]] if state.remainders else [])
             got += [state.exp_avg[i], state.exp_avg_scales[i]]
             got += [state.exp_avg_sq[i], state.exp_avg_sq_scales[i]]
-            for x, y in zip(got, expected):
+            x, y = got[0].cpu(), expected[0]
+            if x.dtype in (torch.bfloat16, torch.float16):  # a NaN param's payload may differ
+                assert torch.equal(x.isnan(), y.isnan()), (i, step)
+                x, y = x[~x.isnan()], y[~y.isnan()]
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (i, step)
+            for x, y in zip(got[1:], expected[1:]):
                 assert torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8)), (i, step)
 
 

@@ -53,7 +53,7 @@ struct Config {
 // The build's configuration (measured on an H200: docs/benchmarks.md); a build may name another
 // with -DSHARDOPT_BLOCKWISE_CONFIG='Config<...>' to tune.
 #ifndef SHARDOPT_BLOCKWISE_CONFIG
-#define SHARDOPT_BLOCKWISE_CONFIG Config<512, 1, true, true, 1>
+#define SHARDOPT_BLOCKWISE_CONFIG Config<512, 2, false, true, 1>
 #endif
 using DefaultConfig = SHARDOPT_BLOCKWISE_CONFIG;
 
