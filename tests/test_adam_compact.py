@@ -173,8 +173,8 @@ def _sqrt(x):  # correctly rounded fp32 square root (torch's CPU float32 sqrt is
 
 def _fp32_step(state, grads, hyper, step):
     """One step of the blockwise formats from correctly rounded fp32 operations on the CPU, in
-    adam_math.h's order, encoded by state_codec: what the CUDA kernel must give, bit for bit (the CPU
-    kernels may differ in the last bit: -freciprocal-math, shardopt/_build.py)."""
+    adam_math.h's order, encoded by state_codec: what the CUDA kernel must give, bit for bit (the
+    CPU kernels may differ in the last bit: -freciprocal-math, shardopt/_build.py)."""
 
     def f(x):
         return torch.tensor(x, dtype=torch.float32)
@@ -202,9 +202,8 @@ def _fp32_step(state, grads, hyper, step):
             params = [p]
         else:
             params = [p.to(torch.bfloat16 if state.master_mode == "bf16" else torch.float16)]
-        want.append(
-            params + list(sc.encode(m, state.fmt, signed=True) + sc.encode(v, state.fmt, signed=False))
-        )
+        codes = sc.encode(m, state.fmt, signed=True) + sc.encode(v, state.fmt, signed=False)
+        want.append(params + list(codes))
     return want
 
 

@@ -1,18 +1,18 @@
 // Adam over blockwise compact state (scaled_fp16, int8) on CUDA tensors (docs/kernels.md "Compact
 // state kernels"). The lists are packed into launches as cuda_apply.cuh does (for_each_launch), but
-// the grid is persistent: a few thread blocks per SM whose warps take the launch's 256-element
-// blocks in turn (warp w of the grid: blocks w, w + warps, ...), so int8's search tables are built
-// once per thread block and no SM idles while a thread block drains. One warp per block: lane l
-// holds elements [8l, 8l + 8) in registers, loaded and stored as 16-byte accesses (8 bytes for int8
-// codes) when the tensors are aligned; the loads of a warp's next block are issued before the
-// current block is computed (Config::kPipeline). The block's amax is a warp max of the bits (no
-// shared memory, no atomics: deterministic) and lane 0 writes the scales.
+// the grid is persistent: as many thread blocks as fit on the SMs, whose warps take the launch's
+// 256-element blocks in turn (warp w of the grid: blocks w, w + warps, ...), so int8's search
+// tables are built once per thread block and no SM idles while a thread block drains. One warp per
+// block: lane l holds elements [8l, 8l + 8) in registers, loaded and stored as 16-byte accesses
+// (8 bytes for int8 codes) when the tensors are aligned. The block's amax is a warp max of the bits
+// (no shared memory, no atomics: deterministic) and lane 0 writes the scales.
 //
 // The Adam math is adam_math.h's (moments, direction, apply_step) with the divisions and the square
 // root of the direction evaluated, where every operand is in a range that keeps them exact
 // (FastDirection), by the instruction sequences nvcc emits for `/` and sqrt on their fast path,
-// with the reciprocals of the bias corrections computed once: the same bits, a third of the
-// instructions. Elsewhere the plain expression.
+// with the reciprocals of the bias corrections computed once: the same bits, without the branch
+// around each division that kept the 8 elements of a lane from overlapping. Elsewhere the plain
+// expression.
 //
 // int8 codes: one shared-memory word per bucket of |xn| (state_codec.h, int8_code_search): one
 // lookup and one comparison per code; decoding reads the maps from shared memory.
@@ -39,21 +39,19 @@ static_assert(kBlocksPerChunk == 256, "a launch's block index is chunk * 256 + b
 __constant__ uint32_t kSignedMapBits[256] = {SHARDOPT_SIGNED_MAP_BITS};
 __constant__ uint32_t kUnsignedMapBits[256] = {SHARDOPT_UNSIGNED_MAP_BITS};
 
-// Launch shape and code path. kThreads and kMinCtas go to __launch_bounds__ (the register cap is
-// 65536 / (kThreads * kMinCtas)); kCopies > 1 replicates the int8 decode maps so that lane l reads
-// copy l % kCopies (fewer shared-memory bank conflicts).
-template <int Threads, int MinCtas, bool Pipeline, bool FastDiv, int Copies>
+// Launch shape: kThreads and kMinCtas go to __launch_bounds__ (the register cap is
+// 65536 / (kThreads * kMinCtas)). Measured on an H200 (docs/benchmarks.md, "Compact state
+// formats"): 512 x 2 (64 registers, 32 warps per SM) beat 256 x 3, 256 x 5 (spills) and a 512 x 1
+// variant that kept a second register set with the next block's loads in flight.
+template <int Threads, int MinCtas>
 struct Config {
   static constexpr int kThreads = Threads;
   static constexpr int kMinCtas = MinCtas;
-  static constexpr bool kPipeline = Pipeline;
-  static constexpr bool kFastDiv = FastDiv;
-  static constexpr int kCopies = Copies;
 };
-// The build's configuration (measured on an H200: docs/benchmarks.md); a build may name another
-// with -DSHARDOPT_BLOCKWISE_CONFIG='Config<...>' to tune.
+// The build's configuration; a build may name another to tune:
+// -DSHARDOPT_BLOCKWISE_CONFIG='Config<256, 3>'.
 #ifndef SHARDOPT_BLOCKWISE_CONFIG
-#define SHARDOPT_BLOCKWISE_CONFIG Config<512, 2, false, true, 1>
+#define SHARDOPT_BLOCKWISE_CONFIG Config<512, 2>
 #endif
 using DefaultConfig = SHARDOPT_BLOCKWISE_CONFIG;
 
@@ -113,7 +111,7 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t x) {
 #endif
 }
 
-// ---- the direction (m / bc1) / (sqrt(v / bc2) + eps) without the division subroutines -------------
+// ---- the direction (m / bc1) / (sqrt(v / bc2) + eps) without the division subroutines ----------
 //
 // nvcc's `a / b` (div.rn.f32) on sm_90 is y0 = rcp.approx(b), y = fma(y0, fma(y0, -b, 1), y0),
 // q = fma(y, a, 0), r = fma(q, -b, a), fma(y, r, q), taken when a range check (FCHK) passes, else a
@@ -123,10 +121,13 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t x) {
 // result is a normal number far from the ends of the range: bc1, bc2 in [2^-20, 1] and eps in
 // [0, 2^40] (per thread block), |m| in [2^-60, 2^40) and v in [2^-100, 2^60) (per lane, all 8
 // elements); then m / bc1 is in [2^-60, 2^60], v / bc2 in [2^-100, 2^80] (the sqrt sequence's own
-// range), the denominator in [2^-50, 2^41] and the quotient in [2^-101, 2^110], so the sequences
-// are exact and the bits are those of the plain expression; the y of a bias correction is computed
-// once. Outside these ranges (zeros, tiny or huge moments, odd hyperparameters) the plain expression
-// runs. tests/test_adam_compact.py checks the kernel against torch's fp32 operations bit for bit.
+// range), the denominator in [2^-50, 2^41] and the quotient in [2^-101, 2^110], far from
+// subnormals and overflow, so the sequences give the correctly rounded results, the bits of the
+// plain expression; the y of a bias correction is computed once. Outside these ranges (zeros, tiny
+// or huge moments, odd hyperparameters) the plain expression runs. On an H200 the sequences matched
+// `/` and sqrt on every fp32 of these ranges (sqrt; division by 18 bias corrections) and on 2^36
+// random operand sets; tests/test_adam_compact.py checks the kernel against correctly rounded fp32
+// operations bit for bit.
 __device__ __forceinline__ float rcp_approx(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -180,14 +181,11 @@ struct FastDirection {
 
 // ---- int8 tables in shared memory --------------------------------------------------------------
 
-template <int Copies>
 struct Int8Smem {
   uint32_t words_m[2 * codec::kSearchWords];  // the signed map's search, sides 0 and 1
   uint32_t words_v[codec::kSearchWords];      // the unsigned map's, side 0
   float map_m[256];
   float map_v[256];
-  float copies_m[Copies > 1 ? 256 * Copies : 1];  // map[c] at c * Copies + lane % Copies
-  float copies_v[Copies > 1 ? 256 * Copies : 1];
 
   __device__ void build() {
     const int t = threadIdx.x;
@@ -195,12 +193,6 @@ struct Int8Smem {
     for (int i = t; i < 256; i += n) {
       map_m[i] = codec::float_of(kSignedMapBits[i]);
       map_v[i] = codec::float_of(kUnsignedMapBits[i]);
-    }
-    if constexpr (Copies > 1) {
-      for (int i = t; i < 256 * Copies; i += n) {
-        copies_m[i] = codec::float_of(kSignedMapBits[i / Copies]);
-        copies_v[i] = codec::float_of(kUnsignedMapBits[i / Copies]);
-      }
     }
     __syncthreads();
     constexpr int W = codec::kSearchWords;
@@ -214,18 +206,10 @@ struct Int8Smem {
     }
     __syncthreads();
   }
-
-  __device__ __forceinline__ float decode(uint8_t c, bool is_signed, int lane) const {
-    if constexpr (Copies > 1) {
-      const int i = static_cast<int>(c) * Copies + lane % Copies;
-      return is_signed ? copies_m[i] : copies_v[i];
-    } else {
-      return is_signed ? map_m[c] : map_v[c];
-    }
-  }
 };
+static_assert(sizeof(Int8Smem) <= 48 * 1024, "int8 tables: within the default shared memory limit");
 
-// ---- the op --------------------------------------------------------------------------------------
+// ---- the op -------------------------------------------------------------------------------------
 
 // A warp's block: its launch entry (tensor), first element, and elements (0: none).
 struct Item {
@@ -241,7 +225,7 @@ struct BlockwiseAdam : cuda::OpBase {
   using G = typename Ty::grad_t;
   using P = std::conditional_t<kRem, uint16_t, typename Ty::param_t>;  // bf16 bits with a rem
   using C = typename Fmt::code_t;
-  using Tables = Int8Smem<Cfg::kCopies>;
+  using Tables = Int8Smem;
   // Slots of the traversal's lists: the compact lists without an empty remainders list.
   static constexpr int kG = 0, kP = 1, kR = 2, kM = kRem ? kR + 1 : kR, kV = kM + 1, kMs = kV + 1,
                        kVs = kMs + 1, kDepth = kVs + 1;
@@ -309,7 +293,7 @@ struct BlockwiseAdam : cuda::OpBase {
 
   __device__ __forceinline__ float decode(C c, float s, bool is_signed, const Ctx& ctx) const {
     if constexpr (kInt8) {
-      return ctx.tables->decode(c, is_signed, ctx.lane) * s;
+      return (is_signed ? ctx.tables->map_m[c] : ctx.tables->map_v[c]) * s;
     } else {
       return static_cast<float>(c) * s;
     }
@@ -325,7 +309,7 @@ struct BlockwiseAdam : cuda::OpBase {
     float master[kPerLane];
     float mf[kPerLane];
     float vf[kPerLane];
-    bool fast = Cfg::kFastDiv && ctx.fast.ok;
+    bool fast = ctx.fast.ok;
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) {
       if constexpr (kRem) {
@@ -336,7 +320,7 @@ struct BlockwiseAdam : cuda::OpBase {
       mf[e] = decode(x.m[e], x.ms, true, ctx);
       vf[e] = decode(x.v[e], x.vs, false, ctx);
       adam::moments<float>(master[e], static_cast<float>(x.g[e]) * ctx.gs, mf[e], vf[e], hl);
-      if constexpr (Cfg::kFastDiv) fast = fast && FastDirection::operands(mf[e], vf[e]);
+      fast = fast && FastDirection::operands(mf[e], vf[e]);
     }
     float u[kPerLane];
     if (fast) {
@@ -427,30 +411,11 @@ struct BlockwiseAdam : cuda::OpBase {
     const int64_t total = static_cast<int64_t>(meta.block_end[meta.tensors - 1]) * kBlocksPerChunk;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
     int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-    if constexpr (!Cfg::kPipeline) {
-      for (; i < total; i += stride) {
-        const Item it = locate(meta, i, total);
-        Raw x;
-        load(meta, it, ctx.lane, x);
-        process(meta, it, x, ctx);
-      }
-    } else {
-      // Two register sets, a and b: the next block's loads are in flight while one is computed.
-      Item a = locate(meta, i, total);
-      Raw xa;
-      load(meta, a, ctx.lane, xa);
-      while (i < total) {
-        i += stride;
-        const Item b = locate(meta, i, total);
-        Raw xb;
-        load(meta, b, ctx.lane, xb);
-        process(meta, a, xa, ctx);
-        if (i >= total) break;
-        i += stride;
-        a = locate(meta, i, total);
-        load(meta, a, ctx.lane, xa);
-        process(meta, b, xb, ctx);
-      }
+    for (; i < total; i += stride) {
+      const Item it = locate(meta, i, total);
+      Raw x;
+      load(meta, it, ctx.lane, x);
+      process(meta, it, x, ctx);
     }
   }
 };
@@ -469,13 +434,8 @@ int ctas_per_sm(int device) {
   if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
   int n = cache[device].load(std::memory_order_relaxed);
   if (n > 0) return n;
-  auto kernel = blockwise_kernel<Op, Cfg>;
-  if (Op::kSmemBytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(Op::kSmemBytes)));
-  }
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Cfg::kThreads,
-                                                               Op::kSmemBytes));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, blockwise_kernel<Op, Cfg>,
+                                                               Cfg::kThreads, Op::kSmemBytes));
   TORCH_CHECK(n > 0, "adam_blockwise: the kernel does not fit on this GPU");
   cache[device].store(n, std::memory_order_relaxed);
   return n;

@@ -161,8 +161,8 @@ SHARDOPT_HD float bucket_floor(int b) {
   return b == 0 ? 0.f : float_of((static_cast<uint32_t>(b) + kBucketFirst) << 17);
 }
 
-// The tables of one map (host: built once; device: in shared memory per thread block). Flat,
-// 32-bit and indexed by int, so that the CPU loops gather them.
+// The tables of one map for the CPU kernels, built once (the CUDA kernel uses the search words
+// below). Flat, 32-bit and indexed by int, so that the CPU loops gather them.
 constexpr int kSide = 256 + kProbe;
 struct Int8Tables {
   float map[256];
@@ -236,7 +236,7 @@ SHARDOPT_HD uint8_t int8_code(float xn, const Int8Tables& t) {
   return static_cast<uint8_t>(side ? t.zero - c : t.zero + c);
 }
 
-// ---- the int8 code search of the CUDA kernel: one word per bucket ---------------------------------
+// ---- the int8 code search of the CUDA kernel: one word per bucket ------------------------------
 //
 // Buckets of |xn| by its exponent and 7 mantissa bits (bits >> 16) from 2^-24 up to 2 hold at most
 // one entry of a side in both maps (search_check; tests/test_state_codec_kernels.py checks too), so
