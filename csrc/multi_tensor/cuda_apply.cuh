@@ -110,10 +110,11 @@ __global__ void __launch_bounds__(kBlockSize, kMinBlocksPerSm)
     chunk_kernel(const __grid_constant__ ChunkMeta<Depth> meta, const F f) {
   const int b = static_cast<int>(blockIdx.x);
   const int local = find_entry(meta, b);
+  const int first_block = local == 0 ? 0 : meta.block_end[local - 1];
   Chunk<Depth> c;
 #pragma unroll
   for (int s = 0; s < Depth; ++s) c.base[s] = meta.addresses[s][local];
-  c.chunk = chunk_of(meta, local, b);
+  c.chunk = (local == 0 ? meta.first_chunk : int64_t{0}) + (b - first_block);  // chunk_of
   c.start = c.chunk * kChunkSize;
   c.numel = meta.numel[local];
   c.n = c.numel - c.start < kChunkSize ? c.numel - c.start : kChunkSize;
