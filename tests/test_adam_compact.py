@@ -163,6 +163,91 @@ def test_fp32_state_is_bit_identical_to_adam(master, grad_dtype, device):
         assert torch.equal(got, want)
 
 
+def _div(a, b):  # correctly rounded fp32 division (fp64 has enough bits to round once)
+    return (a.double() / b.double()).float()
+
+
+def _sqrt(x):  # correctly rounded fp32 square root (torch's CPU float32 sqrt is not)
+    return torch.sqrt(x.double()).float()
+
+
+def _fp32_step(state, grads, hyper, step):
+    """One step of the blockwise formats from correctly rounded fp32 operations on the CPU, in
+    adam_math.h's order, encoded by state_codec: what the CUDA kernel must give, bit for bit (the
+    CPU kernels may differ in the last bit: -freciprocal-math, shardopt/_build.py)."""
+
+    def f(x):
+        return torch.tensor(x, dtype=torch.float32)
+
+    b1, b2, eps = f(hyper["beta1"]), f(hyper["beta2"]), f(hyper["eps"])
+    lr, wd = f(hyper["lr"]), f(hyper["weight_decay"])
+    bc = hyper["bias_correction"]
+    bc1 = f(1 - hyper["beta1"] ** step if bc else 1.0)
+    bc2 = f(1 - hyper["beta2"] ** step if bc else 1.0)
+    ms, vs = state.moments()
+    want = []
+    for p, g, m, v in zip(state.masters(), grads, ms, vs):
+        p, g, m, v = p.cpu(), g.cpu().float(), m.cpu(), v.cpu()
+        if not hyper["adam_w_mode"]:
+            g = g + wd * p
+        m = b1 * m + (f(1.0) - b1) * g
+        v = b2 * v + (f(1.0) - b2) * g * g
+        u = _div(_div(m, bc1), _sqrt(_div(v, bc2)) + eps)
+        if hyper["adam_w_mode"]:
+            u = u + wd * p
+        p = p - lr * u
+        if state.master_mode == "bf16+rem":
+            params = list(sc.split_master(p))
+        elif state.master_mode == "fp32":
+            params = [p]
+        else:
+            params = [p.to(torch.bfloat16 if state.master_mode == "bf16" else torch.float16)]
+        codes = sc.encode(m, state.fmt, signed=True) + sc.encode(v, state.fmt, signed=False)
+        want.append(params + list(codes))
+    return want
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["scaled_fp16", "int8"])
+@pytest.mark.parametrize("master", MASTERS)
+@pytest.mark.parametrize("options", OPTIONS)
+def test_blockwise_cuda_is_bit_identical_to_fp32_operations(options, master, fmt):
+    """The CUDA kernel's Adam math (its own division and square-root sequences where the operands
+    allow, adam_blockwise_cuda.cu) gives the bits of one rounded fp32 operation per step, over
+    moments from 1e-30 to 1e10, zeros and partial blocks."""
+    device = torch.device("cuda")
+    hyper = dict(HYPER, **options)
+    sizes = [1, 255, 257, 3 * 256 + 17, _ops.chunk_size(device) + 300, 1000]
+    state = Compact(sizes, master, fmt, device)
+    zero_m = 127 if fmt == "int8" else 0
+    state.exp_avg[-1][:300] = zero_m  # zero moments and zero grads: zero operands
+    state.exp_avg_sq[-1][:300] = 0
+    gen = torch.Generator().manual_seed(5)
+    for step in range(1, 4):
+        grads = []
+        for n in sizes:
+            decades = torch.randint(-30, 10, (sc.num_blocks(n),), generator=gen).double()
+            scale = (10.0**decades).float().repeat_interleave(sc.BLOCK)[:n]
+            g = torch.randn(n, generator=gen) * scale
+            g[::7] = 0.0
+            grads.append(g.to(torch.bfloat16 if step == 2 else torch.float32).to(device))
+        grads[-1][:300] = 0.0
+        want = _fp32_step(state, grads, hyper, step)
+        _ops.adam_compact(state.lists(grads), step=step, state_format=fmt, **hyper)
+        for i, expected in enumerate(want):
+            got = [state.params[i]] + ([state.remainders[i]] if state.remainders else [])
+            got += [state.exp_avg[i], state.exp_avg_scales[i]]
+            got += [state.exp_avg_sq[i], state.exp_avg_sq_scales[i]]
+            x, y = got[0].cpu(), expected[0]
+            if x.dtype in (torch.bfloat16, torch.float16):  # a NaN param's payload may differ
+                assert torch.equal(x.isnan(), y.isnan()), (i, step)
+                x, y = x[~x.isnan()], y[~y.isnan()]
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (i, step)
+            for x, y in zip(got[1:], expected[1:]):
+                assert torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8)), (i, step)
+
+
 @pytest.mark.parametrize("fmt", sc.FORMATS)
 @pytest.mark.parametrize("master", MASTERS)
 def test_found_inf_changes_nothing(master, fmt, device):

@@ -106,3 +106,18 @@ def test_int8_search_buckets_hold_at_most_two_entries(signed):
         buckets = (side.view(torch.int32) >> 17) - (103 << 6)
         assert (buckets > 0).all() and buckets.max() <= 1536
         assert torch.bincount(buckets).max() <= 2
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_int8_search_words_hold_at_most_one_entry(signed):
+    """The CUDA kernel's search (state_codec.h, int8_code_search): buckets of (bits >> 16) from
+    2^-24 up to 2 hold at most one entry of a side, so a code is one lookup and one comparison."""
+    values = sc.quantization_map(signed)
+    mids = (values[:-1] + values[1:]) * 0.5
+    negative = ((-mids[mids < 0]).view(torch.int32) - 1).view(torch.float32)
+    for side in (mids[mids > 0], negative):
+        if side.numel() == 0:
+            continue
+        bits = side.view(torch.int32).long()
+        assert (bits >= 0x33800000).all() and (bits < 0x40000000).all()
+        assert torch.bincount(bits >> 16).max() <= 1

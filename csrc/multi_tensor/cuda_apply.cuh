@@ -85,23 +85,36 @@ struct Chunk {
   int tensor;         // index in the caller's lists
 };
 
-template <int Depth, typename F>
-__global__ void __launch_bounds__(kBlockSize, kMinBlocksPerSm)
-    chunk_kernel(const __grid_constant__ ChunkMeta<Depth> meta, const F f) {
-  const int b = static_cast<int>(blockIdx.x);
-  // The first entry whose block_end exceeds b, i.e. the number of entries ending at or before b
-  // (block_end is increasing and its last entry is the grid, so the answer is below tensors).
-  // Branch-free binary search; b is uniform, so these are broadcast constant-bank loads.
+// The entry of meta whose chunks hold the launch's chunk b: the first entry whose block_end
+// exceeds b, i.e. the number of entries ending at or before b (block_end is increasing and its last
+// entry is the grid, so the answer is below tensors). Branch-free binary search; b is uniform, so
+// these are broadcast constant-bank loads.
+template <int Depth>
+__device__ __forceinline__ int find_entry(const ChunkMeta<Depth>& meta, int b) {
   int lo = 0;
   for (int step = 1 << (31 - __clz(meta.tensors)); step > 0; step >>= 1) {
     if (lo + step < meta.tensors && meta.block_end[lo + step - 1] <= b) lo += step;
   }
-  const int local = lo;
+  return lo;
+}
+
+// The chunk index within its tensor of the launch's chunk b, which entry `local` holds.
+template <int Depth>
+__device__ __forceinline__ int64_t chunk_of(const ChunkMeta<Depth>& meta, int local, int b) {
+  const int first_block = local == 0 ? 0 : meta.block_end[local - 1];
+  return (local == 0 ? meta.first_chunk : int64_t{0}) + (b - first_block);
+}
+
+template <int Depth, typename F>
+__global__ void __launch_bounds__(kBlockSize, kMinBlocksPerSm)
+    chunk_kernel(const __grid_constant__ ChunkMeta<Depth> meta, const F f) {
+  const int b = static_cast<int>(blockIdx.x);
+  const int local = find_entry(meta, b);
   const int first_block = local == 0 ? 0 : meta.block_end[local - 1];
   Chunk<Depth> c;
 #pragma unroll
   for (int s = 0; s < Depth; ++s) c.base[s] = meta.addresses[s][local];
-  c.chunk = (local == 0 ? meta.first_chunk : int64_t{0}) + (b - first_block);
+  c.chunk = (local == 0 ? meta.first_chunk : int64_t{0}) + (b - first_block);  // chunk_of
   c.start = c.chunk * kChunkSize;
   c.numel = meta.numel[local];
   c.n = c.numel - c.start < kChunkSize ? c.numel - c.start : kChunkSize;
@@ -110,16 +123,17 @@ __global__ void __launch_bounds__(kBlockSize, kMinBlocksPerSm)
   f(c);
 }
 
-// Runs f(Chunk) once per (tensor, chunk) of the tensors lists[*][i], i in `order` (empty tensors
-// are skipped). Units are numbered from first_unit in order, each tensor's chunks consecutively;
-// returns the next free ordinal. A launch takes tensors until kMaxTensors or kMaxGrid blocks; a
-// tensor that does not fit in the blocks left continues as entry 0 of the next launch.
-template <int Depth, typename F>
-int64_t apply_chunks(const std::vector<std::vector<at::Tensor>>& lists,
-                     const std::vector<int64_t>& order, const F& f, int64_t first_unit = 0) {
+// Packs the (tensor, chunk) units of the tensors lists[*][i], i in `order` (empty tensors are
+// skipped), into launches: calls launch(meta, blocks, stream) once per launch, blocks being its
+// chunks (ChunkMeta: block_end, first_chunk, first_unit). Units are numbered from first_unit in
+// order, each tensor's chunks consecutively; returns the next free ordinal. A launch takes tensors
+// until kMaxTensors or kMaxGrid chunks; a tensor that does not fit in the chunks left continues as
+// entry 0 of the next launch. apply_chunks launches chunk_kernel (one thread block per chunk);
+// kernels with their own grid (adam_blockwise_cuda.cu) pass their own launch.
+template <int Depth, typename Launch>
+int64_t for_each_launch(const std::vector<std::vector<at::Tensor>>& lists,
+                        const std::vector<int64_t>& order, int64_t first_unit, Launch&& launch_fn) {
   using Meta = ChunkMeta<Depth>;
-  static_assert(sizeof(Meta) + sizeof(F) + alignof(F) <= kParamBytes,
-                "kernel arguments (ChunkMeta + functor) exceed the kernel parameter limit");
   TORCH_CHECK(lists.size() == static_cast<size_t>(Depth), "apply_chunks: expected ", Depth,
               " lists, got ", lists.size());
   if (order.empty()) return first_unit;
@@ -134,8 +148,7 @@ int64_t apply_chunks(const std::vector<std::vector<at::Tensor>>& lists,
     if (blocks == 0) return;
     meta.tensors = tensors;
     meta.first_unit = unit;
-    chunk_kernel<Depth, F><<<static_cast<unsigned>(blocks), kBlockSize, 0, stream>>>(meta, f);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_fn(static_cast<const Meta&>(meta), blocks, stream);
     unit += blocks;
     tensors = 0;
     blocks = 0;
@@ -164,6 +177,21 @@ int64_t apply_chunks(const std::vector<std::vector<at::Tensor>>& lists,
   }
   launch();
   return unit;
+}
+
+// Runs f(Chunk) once per (tensor, chunk) of the tensors lists[*][i], i in `order`, one thread block
+// per chunk (for_each_launch says how they are packed); returns the next free unit ordinal.
+template <int Depth, typename F>
+int64_t apply_chunks(const std::vector<std::vector<at::Tensor>>& lists,
+                     const std::vector<int64_t>& order, const F& f, int64_t first_unit = 0) {
+  static_assert(sizeof(ChunkMeta<Depth>) + sizeof(F) + alignof(F) <= kParamBytes,
+                "kernel arguments (ChunkMeta + functor) exceed the kernel parameter limit");
+  return for_each_launch<Depth>(
+      lists, order, first_unit,
+      [&](const ChunkMeta<Depth>& meta, int64_t blocks, cudaStream_t stream) {
+        chunk_kernel<Depth, F><<<static_cast<unsigned>(blocks), kBlockSize, 0, stream>>>(meta, f);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
 }
 
 template <int Depth, typename F>

@@ -45,14 +45,31 @@ Hyper<T> make_hyper(double lr, double beta1, double beta2, double eps, double t,
   return h;
 }
 
+// update() in three stages, for kernels that evaluate the divisions their own way
+// (adam_blockwise_cuda.cu: the same operations, bit for bit): the moments, the direction
+// (m / bc1) / (sqrt(v / bc2) + eps), and the step of p along it.
 template <typename T>
-SHARDOPT_HD void update(T& p, T g, T& m, T& v, const Hyper<T>& h) {
+SHARDOPT_HD void moments(T p, T g, T& m, T& v, const Hyper<T>& h) {
   if (!h.adam_w_mode) g += h.weight_decay * p;
   m = h.beta1 * m + (T(1) - h.beta1) * g;
   v = h.beta2 * v + (T(1) - h.beta2) * g * g;
-  T u = (m / h.bc1) / (sqrt_of(v / h.bc2) + h.eps);
+}
+
+template <typename T>
+SHARDOPT_HD T direction(T m, T v, const Hyper<T>& h) {
+  return (m / h.bc1) / (sqrt_of(v / h.bc2) + h.eps);
+}
+
+template <typename T>
+SHARDOPT_HD void apply_step(T& p, T u, const Hyper<T>& h) {
   if (h.adam_w_mode) u += h.weight_decay * p;
   p -= h.lr * u;
+}
+
+template <typename T>
+SHARDOPT_HD void update(T& p, T g, T& m, T& v, const Hyper<T>& h) {
+  moments(p, g, m, v, h);
+  apply_step(p, direction(m, v, h), h);
 }
 
 }  // namespace adam

@@ -161,8 +161,8 @@ SHARDOPT_HD float bucket_floor(int b) {
   return b == 0 ? 0.f : float_of((static_cast<uint32_t>(b) + kBucketFirst) << 17);
 }
 
-// The tables of one map (host: built once; device: in shared memory per thread block). Flat,
-// 32-bit and indexed by int, so that the CPU loops gather them.
+// The tables of one map for the CPU kernels, built once (the CUDA kernel uses the search words
+// below). Flat, 32-bit and indexed by int, so that the CPU loops gather them.
 constexpr int kSide = 256 + kProbe;
 struct Int8Tables {
   float map[256];
@@ -194,14 +194,21 @@ SHARDOPT_HD void tables_fill_map(Int8Tables& t, const uint32_t* map_bits, bool i
   }
 }
 
+// Entry k (ascending) of a side: side 0 the positive mids mid[zero + k]; side 1 nextdown(|mid|) of
+// the negative mids, mid[zero - 1 - k].
+SHARDOPT_HD float side_entry(const float* map, int zero, int side, int k) {
+  const int j = side ? zero - 1 - k : zero + k;
+  const float mid = (map[j] + map[j + 1]) * 0.5f;
+  return side ? float_of(abs_bits(mid) - 1u) : mid;
+}
+
 SHARDOPT_HD void tables_fill_entries(Int8Tables& t, int first, int stride) {
   for (int j = first; j < 255 + 2 * kProbe; j += stride) {
     if (j < 255) {
-      const float mid = (t.map[j] + t.map[j + 1]) * 0.5f;
       if (j < t.zero) {
-        t.entries[kSide + t.zero - 1 - j] = float_of(abs_bits(mid) - 1u);  // nextdown(|mid|)
+        t.entries[kSide + t.zero - 1 - j] = side_entry(t.map, t.zero, 1, t.zero - 1 - j);
       } else {
-        t.entries[j - t.zero] = mid;
+        t.entries[j - t.zero] = side_entry(t.map, t.zero, 0, j - t.zero);
       }
     } else {
       const int side = (j - 255) / kProbe;  // kProbe pads after each side's entries
@@ -227,6 +234,70 @@ SHARDOPT_HD uint8_t int8_code(float xn, const Int8Tables& t) {
   const int e = side * kSide + k;
   const int c = k + (t.entries[e] < ax) + (t.entries[e + 1] < ax);
   return static_cast<uint8_t>(side ? t.zero - c : t.zero + c);
+}
+
+// ---- the int8 code search of the CUDA kernel: one word per bucket ------------------------------
+//
+// Buckets of |xn| by its exponent and 7 mantissa bits (bits >> 16) from 2^-24 up to 2 hold at most
+// one entry of a side in both maps (search_check; tests/test_state_codec_kernels.py checks too), so
+// the count of the side's entries below |xn| is the count below the bucket plus one comparison with
+// the bucket's entry, if any, on the low 16 bits. A bucket's word carries both possible codes:
+// word = thr << 16 | hi << 8 | lo, code = (bits(xn) & 0xFFFF) > thr ? hi : lo, with thr the low
+// bits of the entry (0xFFFF without one: never above). Word kSearchBuckets of a side is the
+// sentinel for |xn| below 2^-24 (no entry is that small; |xn| <= 1 + 2^-23 is never 2 or more):
+// the code of zero. The words of a signed map are side 0 then side 1; the unsigned map has side 0
+// only, and a negative xn (its bits taken as they are) lands on the sentinel: code 0.
+constexpr uint32_t kSearchFirst = 0x3380u;                            // (bits >> 16) of 2^-24
+constexpr int kSearchBuckets = static_cast<int>(0x4000u - kSearchFirst);  // |xn| in [2^-24, 2)
+constexpr int kSearchWords = kSearchBuckets + 1;                       // words per side
+
+// The word index in a side of |xn|'s bits (the sentinel below 2^-24 and from 2 up).
+SHARDOPT_HD uint32_t search_index(uint32_t bits) {
+  const uint32_t k = (bits - (kSearchFirst << 16)) >> 16;
+  return k < static_cast<uint32_t>(kSearchBuckets) ? k : static_cast<uint32_t>(kSearchBuckets);
+}
+
+SHARDOPT_HD uint8_t search_code(uint32_t word, uint32_t bits) {
+  return static_cast<uint8_t>((bits << 16) > word ? word >> 8 : word);  // (bits & 0xFFFF) > thr
+}
+
+// Word i of a side of a map (zero: the code of 0.0; count: the side's entries).
+SHARDOPT_HD uint32_t search_word(const float* map, int zero, int side, int count, int i) {
+  if (i >= kSearchBuckets) return 0xFFFF0000u | (static_cast<uint32_t>(zero) * 0x101u);
+  const uint32_t bucket = kSearchFirst + static_cast<uint32_t>(i);
+  int below = 0;  // entries below the bucket
+  for (int step = 256; step > 0; step >>= 1) {
+    const int k = below + step - 1;
+    if (k < count && (bits_of(side_entry(map, zero, side, k)) >> 16) < bucket) below += step;
+  }
+  const uint32_t e = below < count ? bits_of(side_entry(map, zero, side, below)) : 0u;
+  const bool has = below < count && (e >> 16) == bucket;
+  const int lo = side ? zero - below : zero + below;
+  const int hi = has ? (side ? lo - 1 : lo + 1) : lo;
+  return ((has ? e & 0xFFFFu : 0xFFFFu) << 16) | (static_cast<uint32_t>(hi) << 8) |
+         static_cast<uint32_t>(lo);
+}
+
+// Whether the search's assumptions hold for a map: every entry of both sides at least 2^-24 and
+// below 2, and no two in one bucket.
+inline bool search_check(const float* map, int zero) {
+  for (int side = 0; side < 2; ++side) {
+    const int count = side ? zero : 255 - zero;
+    for (int k = 0; k < count; ++k) {
+      const uint32_t e = bits_of(side_entry(map, zero, side, k));
+      if (e < (kSearchFirst << 16) || e >= 0x40000000u) return false;
+      if (k > 0 && (bits_of(side_entry(map, zero, side, k - 1)) >> 16) == (e >> 16)) return false;
+    }
+  }
+  return true;
+}
+
+// The code of xn from a map's words (the signed map: both sides; unsigned: side 0).
+SHARDOPT_HD uint8_t int8_code_search(float xn, const uint32_t* words, bool is_signed) {
+  const uint32_t u = bits_of(xn);
+  const uint32_t i = is_signed ? search_index(u & kAbsMask) + (u >> 31) * kSearchWords
+                               : search_index(u);
+  return search_code(words[i], u);
 }
 
 }  // namespace codec
