@@ -14,15 +14,18 @@ Note: re-partition. Each rank owns arbitrary flat fragments of each param (see
 ``shardopt/zero/layout.py``: chunk r of every bucket), which no regular DTensor sharding
 describes. At save time the state is re-partitioned into the even row chunks of ``Shard(0)``
 (``torch.chunk`` semantics: rank r holds rows ``[r*c, (r+1)*c)`` with ``c = ceil(rows / world)``),
-With a ``redundant_process_group`` (HSDP) the mesh is 2-D, (replicate, shard), placements
-``(Replicate(), Shard(0))``: every replica holds the same chunks and DCP writes them once.
 and back at load time: params are taken in batches of at most ``bucket_cap_mb`` of fp32 per
-state tensor; for each batch every rank writes what it has into a zeroed buffer, one all-reduce
-(SUM over the process group; each element has exactly one owner, so the sum is exact) makes the
-batch whole on every rank, and each rank copies out what it needs. Cost per save or load: one
-all-reduce of the whole optimizer state (about 2x the state bytes sent per rank, as
-``state_dict()``), transient device memory of one batch, and host-side copies of this rank's
-1/world of the state in the DTensors (a copy, not views of the optimizer's buffers).
+state tensor, and for each batch one ``all_to_all_single`` over the process group moves every
+element from the rank that has it (its fragment's owner at save time, its row chunk's holder at
+load time) straight to the rank that needs it. Every rank learns every rank's fragments once per
+save or load (one ``all_gather_object`` of (param, start, end) triples), so both sides of each
+pair list their pieces in the same order (param, state name, fragment, row chunk). Cost per save
+or load: each element crosses the network at most once (about the rank's share of the state sent
+and received per rank; a 0-dim param's value goes to every rank), transient device memory of one
+batch sent and one received, and host-side copies of this rank's 1/world of the state in the
+DTensors (a copy, not views of the optimizer's buffers). With a ``redundant_process_group``
+(HSDP) the mesh is 2-D, (replicate, shard), with placements ``(Replicate(), Shard(0))``: every
+replica holds the same chunks (the exchange runs inside each shard group) and DCP writes them once.
 """
 
 from __future__ import annotations
@@ -113,50 +116,72 @@ def _batches(optimizer, trainable: list[int]) -> list[list[int]]:
     return out
 
 
+def _pieces(p: torch.Tensor, owned: list, i: int, world: int, save: bool) -> list[tuple]:
+    """(owner r, its fragment's start a, row-chunk holder s, the chunk's start, piece start,
+    piece end) of every overlap of a fragment of param ``i`` with a row chunk, in a fixed order
+    (owner, fragment, holder). At load a 0-dim param (every rank's chunk) comes from rank 0."""
+    chunks = [_row_chunk(p, s, world) for s in range(world)]
+    if not save and p.dim() == 0:
+        chunks = chunks[:1]
+    out = []
+    for r in range(world):
+        for a, e in owned[r].get(i, []):
+            for s, (c0, c1) in enumerate(chunks):
+                if max(a, c0) < min(e, c1):
+                    out.append((r, a, s, c0, max(a, c0), min(e, c1)))
+    return out
+
+
 def _exchange(optimizer, direction: str, locals_: dict[int, dict[str, torch.Tensor]]) -> None:
     """Moves state between the optimizer's fragments and the row chunks in ``locals_`` (param
     index -> name -> flat local tensor), in batches (see Note: re-partition). ``direction`` is
     ``"save"`` (fragments -> chunks) or ``"load"`` (chunks -> fragments). Collective."""
     rank, world = optimizer.rank, optimizer.world_size
-    frags: dict[int, list] = {}
-    for frag in optimizer.shard_fragments(writable=direction == "load"):
-        frags.setdefault(frag.param, []).append(frag)
-    trainable = sorted(locals_)
-    for batch in _batches(optimizer, trainable):
-        names = sorted({n for i in batch for n in locals_[i]})
-        offsets, total = {}, 0
+    group = optimizer.process_group
+    save = direction == "save"
+    mine = {(f.param, f.param_range.start): f for f in optimizer.shard_fragments(writable=not save)}
+    # every rank's fragments, (param, start, end) in its shard order: who owns which elements
+    spans: list = [None] * world
+    dist.all_gather_object(spans, [(i, a, f.param_range.end) for (i, a), f in mine.items()], group)
+    owned: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(world)]
+    for r, lst in enumerate(spans):
+        for i, a, e in lst:
+            owned[r].setdefault(i, []).append((a, e))
+    for batch in _batches(optimizer, sorted(locals_)):
+        # pieces to send to / receive from each rank, listed in the same order on both sides
+        send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        recv: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for i in batch:
-            offsets[i] = total
-            total += optimizer.all_params[i].numel()
-        buf = torch.zeros(len(names), total, dtype=torch.float32, device=optimizer.device)
-        for i in batch:
-            base = offsets[i]
-            for ni, name in enumerate(names):
-                if name not in locals_[i]:
-                    continue
-                if direction == "save":
-                    for frag in frags.get(i, []):
-                        r = frag.param_range
-                        buf[ni, base + r.start : base + r.end].copy_(frag.tensors[name])
-                else:
-                    s, e = _row_chunk(optimizer.all_params[i], rank, world)
-                    if optimizer.all_params[i].dim() == 0 and rank != 0:
-                        continue  # replicated: one contribution
-                    buf[ni, base + s : base + e].copy_(locals_[i][name].reshape(-1))
+            pieces = _pieces(optimizer.all_params[i], owned, i, world, save)
+            for name in sorted(locals_[i]):
+                chunk = locals_[i][name].reshape(-1)
+                for r, a, s, c0, x, y in pieces:
+                    src, dst = (r, s) if save else (s, r)
+                    if rank not in (src, dst):
+                        continue
+                    held = mine[(i, a)].tensors[name][x - a : y - a] if r == rank else None
+                    row = chunk[x - c0 : y - c0] if s == rank else None
+                    if src == rank:
+                        send[dst].append(held if save else row)
+                    if dst == rank:
+                        recv[src].append(row if save else held)
+        sent = [sum(t.numel() for t in lst) for lst in send]
+        got = [sum(t.numel() for t in lst) for lst in recv]
+        flat = [t.reshape(-1).float() for lst in send for t in lst]
+        out = torch.empty(sum(got), dtype=torch.float32, device=optimizer.device)
+        if flat:
+            inp = torch.cat(flat)
+        else:
+            inp = torch.zeros(0, dtype=torch.float32, device=optimizer.device)
         if world > 1:
-            dist.all_reduce(buf, group=optimizer.process_group)
-        for i in batch:
-            base = offsets[i]
-            for ni, name in enumerate(names):
-                if name not in locals_[i]:
-                    continue
-                if direction == "save":
-                    s, e = _row_chunk(optimizer.all_params[i], rank, world)
-                    locals_[i][name].reshape(-1).copy_(buf[ni, base + s : base + e])
-                else:
-                    for frag in frags.get(i, []):
-                        r = frag.param_range
-                        frag.tensors[name].copy_(buf[ni, base + r.start : base + r.end])
+            dist.all_to_all_single(out, inp, got, sent, group=group)
+        else:
+            out.copy_(inp)
+        offset = 0
+        for lst in recv:
+            for t in lst:
+                t.copy_(out[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def _local_chunks(optimizer) -> dict[int, dict[str, torch.Tensor]]:
