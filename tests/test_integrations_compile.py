@@ -192,6 +192,45 @@ def test_fused_step_compiles_fullgraph(name):
     _compiled_vs_eager(name, torch.device("cpu"), torch.float32, "aot_eager")
 
 
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedSGD", "FusedAdagrad", "FusedNovoGrad"])
+def test_tensor_lr_is_read_on_the_device(name):
+    """A tensor lr (non-capturable) is read by the kernels on the device: the step equals the
+    float-lr step, a scheduler's write into the tensor takes effect, and a compiled step neither
+    breaks the graph nor recompiles when the lr changes."""
+    counters.clear()
+    torch._dynamo.reset()
+    kw = {k: v for k, v in SINGLE[name][0].items() if k != "lr"}
+    models, opts = [], []
+    lr = torch.tensor(0.1)
+    for i in range(3):
+        torch.manual_seed(0)
+        models.append(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
+        cls = getattr(shardopt, name)
+        opts.append(cls(models[-1].parameters(), lr=0.1 if i == 0 else lr, **kw))
+
+    def step(opt):
+        opt.step()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for k in range(4):
+        value = 0.1 / (k + 1)  # a scheduler: the float group is set, the tensor written in place
+        opts[0].param_groups[0]["lr"] = value
+        lr.fill_(value)
+        x = torch.randn(2, 4)
+        for model in models:
+            model(x).square().sum().backward()
+        opts[0].step()
+        opts[1].step()
+        compiled(opts[2])
+        for opt in opts:
+            opt.zero_grad()
+        for a, b, c in zip(*(m.parameters() for m in models)):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+            torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-7)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", list(SINGLE))

@@ -106,5 +106,12 @@ class FusedAdagrad(FusedOptimizer):
         params, sums = tensors
         scalars = maximize_scale(group, grads[0].device)
         adagrad_apply(
-            group, grads, params, sums, None, lr=self._lr_scalar(group), as_is=as_is, **scalars
+            group,
+            grads,
+            params,
+            sums,
+            None,
+            as_is=as_is,
+            **self._lr_args(group, grads[0].device),
+            **scalars,
         )

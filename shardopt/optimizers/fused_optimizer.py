@@ -334,9 +334,11 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
         return None if found_inf is None else found_inf.float().reshape(1)
 
     def _device_scalars(self, group: dict, device: torch.device) -> dict[str, torch.Tensor | None]:
-        """lr_t/step_t/grad_scale_t/found_inf_t kernel arguments (all None unless capturable)."""
+        """lr_t/step_t/grad_scale_t/found_inf_t kernel arguments: all of them when capturable,
+        else only ``lr_t`` for a tensor lr (see ``_lr_args``)."""
         if not self.capturable:
-            return {}
+            lr = group["lr"]
+            return {"lr_t": device_lr(lr, device)} if torch.is_tensor(lr) else {}
         scalars = {
             "lr_t": device_lr(group["lr"], device),
             "step_t": group["step"].to(device=device, dtype=torch.float32).reshape(1),
@@ -357,8 +359,17 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
             _ops.scale(grads, grads, flag, scale_t=grad_scale_t, as_is=as_is)
 
     def _lr_scalar(self, group: dict) -> float:
+        """The host lr: 0 for a tensor lr, which the kernels read on the device (``lr_t``)."""
         lr = group["lr"]
-        return 0.0 if torch.is_tensor(lr) and self.capturable else float(lr)
+        return 0.0 if torch.is_tensor(lr) else float(lr)
+
+    def _lr_args(self, group: dict, device: torch.device) -> dict[str, Any]:
+        """lr keyword arguments of a kernel call: a tensor lr is read on the device (no host
+        sync; under torch.compile a scheduler's new value needs no recompile), a float as is."""
+        lr = group["lr"]
+        if torch.is_tensor(lr):
+            return {"lr": 0.0, "lr_t": device_lr(lr, device)}
+        return {"lr": float(lr)}
 
     def _step_scalar(self, group: dict) -> int:
         return 0 if torch.is_tensor(group["step"]) else int(group["step"])

@@ -224,8 +224,8 @@ class FusedNovoGrad(FusedOptimizer):
             None,
             v,
             step=self._step_scalar(group),
-            lr=self._lr_scalar(group),
             as_is=as_is,
+            **self._lr_args(group, grads[0].device),
         )
         # stored after the kernel, which checks its lists first: a refused step changes nothing
         if pos is None:

@@ -165,7 +165,7 @@ class FusedSGD(FusedOptimizer):
             bufs,
             None,
             first_run=first_run,
-            lr=self._lr_scalar(group),
+            **self._lr_args(group, params[0].device),
             scale=-1.0 if group.get("maximize", False) else 1.0,
             as_is=as_is,
         )
