@@ -6,7 +6,10 @@
 # scaling, then the scaling table and plot; for nvidia-h200-x4 / -x8). Multi-GPU stages use
 # every GPU of the machine. More stages: formats (bench_state_formats.py), formats_train (the
 # compact-storage modes of bench_train.py beside FSDP2), host (bench_host.py: single-process step overhead), deepspeed (installs the
-# wheels carried in .dswheels/, then bench_train.py's deepspeed_zero2 beside DDP), quality
+# wheels carried in .dswheels/, then bench_train.py's deepspeed_zero2 beside DDP; make them here
+# with `pip wheel deepspeed --no-deps --no-build-isolation -w .dswheels` and `pip download hjson
+# py-cpuinfo pydantic msgpack psutil einops ninja --python-version 3.12 --only-binary=:all:
+# --platform manylinux2014_x86_64 -d .dswheels`, and name .dswheels in the tool's carry), quality
 # (train_gpt.py per state format). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
 # the end (the device tool returns at most 8 files).
 #   bash launch_scripts/device_run.sh tests parity kernels
