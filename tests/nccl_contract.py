@@ -116,10 +116,54 @@ def reads_after_step_see_new_values(rank, world):
             torch.testing.assert_close(state[k], v, rtol=0, atol=0)
 
 
+def nccl_user_buffers(rank, world):
+    """nccl_ub=True (NCCL): buffers carved from the registered NCCL pool give the bits of
+    nccl_ub=False through accumulation, an unused module and clipping, in fp32 and bf16 (gloo:
+    refused with an error naming nccl_ub)."""
+    dev = _device()
+    if dist.get_backend() != "nccl":
+        try:
+            shardopt.DistributedFusedAdam(Net().parameters(), nccl_ub=True)
+        except ValueError as e:
+            assert "nccl_ub" in str(e), e
+            return
+        raise AssertionError("nccl_ub=True was accepted on gloo")
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        models = [Net().to(dev, dtype)]
+        models.append(copy.deepcopy(models[0]))
+        opts = [
+            shardopt.DistributedFusedAdam(
+                m.parameters(),
+                lr=0.1,
+                weight_decay=0.1,
+                bucket_cap_mb=100 * 4 / 2**20,
+                overlap_param_sync=True,
+                nccl_ub=ub,
+            )  # fmt: skip
+            for m, ub in zip(models, (True, False))
+        ]
+        pool = opts[0]._user_buffers
+        assert pool.registered and pool.segments() > 0
+        for step in range(4):
+            for m, o in zip(models, opts):
+                m(_x(step, rank, dev).to(dtype), True, step % 2 == 0).backward()
+                m(_x(step + 9, rank, dev).to(dtype), True, True).backward()
+                o.clip_grad_norm(1.0)
+                o.step()
+                o.zero_grad()
+                o.wait_param_sync()
+            for p, q in zip(*(m.parameters() for m in models)):
+                assert torch.equal(p, q), (dtype, step)
+        mem = opts[0].memory_bytes()
+        assert mem["grad_buckets"] > 0 and "grad_buckets" not in opts[1].memory_bytes()
+
+
 CASES = [
     unused_conditional_accumulation,
     writes_and_rebinds_are_seen,
     reads_after_step_see_new_values,
+    nccl_user_buffers,
 ]
 
 

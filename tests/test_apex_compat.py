@@ -1,10 +1,11 @@
 """Apex DistributedFusedAdam's surface on the distributed classes (issue 17, part 1): its keyword
 arguments with Apex's defaults, its methods, the groups of Apex's HSDP layout, the under-filled
 bucket warning; refused options raise NotImplementedError naming the argument. Results are
-compared with DDP + torch AdamW."""
+compared with DDP + torch AdamW; tests/apex_script.py's Apex-style cases run here on gloo."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -73,7 +74,7 @@ def refused_and_checked_arguments(rank, world):
     are clear errors; a per-param dtype different from the optimizer's is refused. (Apex's
     store_param_remainders, with_scaled_states and 16-bit dtype: tests/test_compact_state.py.)"""
     for kw, error, match in (
-        (dict(nccl_ub=True), NotImplementedError, "nccl_ub"),
+        (dict(nccl_ub=True), ValueError, "nccl_ub=True registers CUDA buffers"),
         (dict(pipeline_size=0), ValueError, "pipeline_size"),
         (dict(device="meta"), ValueError, "device='meta'"),
         (dict(no_such_option=1), TypeError, "no_such_option"),
@@ -160,8 +161,72 @@ def integer_param_sync(rank, world):
         )
 
 
+def nccl_ub_on_one_rank_fails_everywhere(rank, world):
+    """nccl_ub=True asked on rank 0 only (gloo, CPU: refused there) raises on every rank."""
+    match = "nccl_ub=True registers CUDA buffers" if rank == 0 else "rank 0 failed: .*nccl_ub"
+    with pytest.raises(ValueError, match=match):
+        shardopt.DistributedFusedAdam(_model().parameters(), nccl_ub=rank == 0)
+
+
+class _Pool:
+    """Stands in for the NCCL-registered pool (gloo has none): plain allocations."""
+
+    def __init__(self, owner, device, groups):
+        self.registered = False
+
+    def allocating(self):
+        return contextlib.nullcontext()
+
+    def register(self, owner_object):
+        self.registered = True
+
+
+def persistent_grad_buffers_match_transient(rank, world):
+    """nccl_ub's persistent grad buffers (here without NCCL: the pool is a stand-in) give the
+    bits of the transient ones through accumulation without no_sync, no_sync, a param unused on
+    every rank and clipping; memory_bytes() counts them."""
+    from shardopt.zero import user_buffers
+
+    models = [_model().append(nn.Linear(4, 4)) for _ in range(2)]  # the last one never used
+    saved = user_buffers.check, user_buffers.UserBuffers
+    user_buffers.check, user_buffers.UserBuffers = (lambda *a: None), _Pool
+    try:
+        opts = [
+            shardopt.DistributedFusedAdam(
+                m.parameters(),
+                lr=1e-2,
+                weight_decay=0.1,
+                bucket_cap_mb=64 * 4 / 2**20,
+                nccl_ub=ub,
+                overlap_param_sync=True,
+            )  # fmt: skip
+            for m, ub in zip(models, (True, False))
+        ]
+    finally:
+        user_buffers.check, user_buffers.UserBuffers = saved
+    assert opts[0]._user_buffers.registered
+    for step in range(3):
+        for m, o in zip(models, opts):
+            with o.no_sync():
+                m[:3](_batch(step, rank + 7)).square().mean().backward()
+            m[:3](_batch(step, rank)).square().mean().backward()
+            m[:3](_batch(step + 9, rank)).square().mean().backward()
+            o.clip_grad_norm(0.5)
+            o.step()
+            o.zero_grad()
+            o.wait_param_sync()
+        for p, q in zip(*(m.parameters() for m in models)):
+            assert torch.equal(p, q)
+    mem, plain = opts[0].memory_bytes(), opts[1].memory_bytes()
+    numel = sum(b.numel for k in opts[0].keys for b in k.layout.buckets)
+    assert mem.pop("grad_buckets") == 4 * numel and mem.pop("grad_shard") == 4 * numel // world
+    assert mem == plain
+
+
 CASES = [
     apex_script_matches_ddp,
+    nccl_ub_on_one_rank_fails_everywhere,
+    persistent_grad_buffers_match_transient,
     refused_and_checked_arguments,
     underfilled_buckets_warn,
     fp64_params_with_fp32_state,
@@ -178,3 +243,28 @@ def results(request):
 def test_apex_compat(results, case):
     world, out = results
     assert out[case.__name__] is None, out[case.__name__]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def script_results(request):
+    import apex_script
+
+    return run_cases(apex_script.CASES, request.param)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "default_keywords",
+        "overlapped_with_contiguous_buffers",
+        "bf16_params_with_remainders",
+        "grad_scaler_skips_overflow",
+        "state_dict_round_trip",
+        "nccl_user_buffers",
+    ],
+)
+def test_apex_script_unchanged_but_for_the_import(script_results, name):
+    """tests/apex_script.py (torchrun on GPUs) on gloo: an Apex script's uses of the optimizer
+    against DDP + AdamW."""
+    assert name in script_results, sorted(script_results)
+    assert script_results[name] is None, script_results[name]

@@ -20,8 +20,9 @@ Mapping (Apex argument -> shardopt):
     of fp32 masters for bf16 params; 16-bit moments with per-block scales), on
     DistributedFusedAdam (see Note: compact storage in state_storage.py); the other classes
     refuse them;
-  - ``nccl_ub``: False accepted; True needs NCCL user-buffer registration through torch's NCCL
-    memory pool, refused with the reason;
+  - ``nccl_ub``: Apex's meaning: the buffers of the collectives come from an NCCL-registered
+    memory pool (shardopt/zero/user_buffers.py), with persistent grad buffers as Apex's
+    contiguous grad buffer; needs NCCL groups and a torch that exposes the pool;
   - ``device``: must be the params' device.
 """
 
@@ -59,11 +60,6 @@ def resolve(owner: str, process_group, apex: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"{owner}.__init__() got unexpected keyword arguments {sorted(unknown)}")
     opts = {**APEX_DEFAULTS, **apex}
-    if opts["nccl_ub"]:
-        raise NotImplementedError(
-            f"{owner}: nccl_ub=True (NCCL user-buffer registration) is not implemented: the "
-            "grad buckets are transient, not carved from one registered pool; use nccl_ub=False"
-        )
     pipeline = opts["pipeline_size"]
     if not isinstance(pipeline, int) or pipeline < 1:
         raise ValueError(f"{owner}: pipeline_size must be a positive int, got {pipeline!r}")
@@ -77,6 +73,7 @@ def resolve(owner: str, process_group, apex: dict[str, Any]) -> dict[str, Any]:
         "device": opts["device"],
         "store_param_remainders": bool(opts["store_param_remainders"]),
         "with_scaled_states": bool(opts["with_scaled_states"]),
+        "nccl_ub": bool(opts["nccl_ub"]),
     }
 
 

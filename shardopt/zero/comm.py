@@ -39,6 +39,12 @@ def backend(group: ProcessGroup | None) -> str:
     return str(dist.get_backend(group))
 
 
+def device_backend(group: ProcessGroup | None, device: torch.device):
+    """The backend object (e.g. ``ProcessGroupNCCL``) serving ``group`` on ``device``'s type."""
+    whole = group if group is not None else dist.group.WORLD
+    return whole._get_backend(torch.device(device.type))
+
+
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 

@@ -52,8 +52,9 @@ from typing import Any
 
 import torch
 
+from shardopt import _ops
 from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
-from shardopt.zero import apex_compat, comm, sharded_params, state_storage, torch_clip
+from shardopt.zero import apex_compat, comm, sharded_params, state_storage, torch_clip, user_buffers
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
@@ -120,9 +121,15 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 state_format=state_format,
                 supported=self.compact_storage,
             )
+            groups = [process_group] + [redundant_process_group] * bool(redundant_process_group)
+            if apex["nccl_ub"]:
+                device = _ops.common_device([p for g in self.param_groups for p in g["params"]])
+                user_buffers.check(name, device, groups)
+                self._user_buffers = user_buffers.UserBuffers(name, device, groups)
         except (TypeError, ValueError, NotImplementedError) as e:
             error = e
         comm.raise_if_any(error, process_group)
+        ub = self._user_buffers if apex["nccl_ub"] else None
         self.process_group = process_group
         self.redundant_process_group = redundant_process_group
         self.config = ShardingConfig(
@@ -136,6 +143,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             capturable=capturable,
             skip_unused_params=skip_unused_params and not capturable,
             storage=storage,
+            nccl_ub=apex["nccl_ub"],
         )
         self.sharded = ShardedParams(
             self.param_groups,
@@ -145,7 +153,10 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             process_group=process_group,
             redundant_process_group=redundant_process_group,
             owner=name,
+            allocating=ub.allocating if ub is not None else contextlib.nullcontext,
         )
+        if ub is not None:
+            ub.register(self)
         sharded = self.sharded
         apex_compat.check_device(name, apex["device"], sharded.device)
         apex_compat.warn_underfilled(name, sharded.keys)

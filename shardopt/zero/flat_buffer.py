@@ -109,6 +109,7 @@ class KeyBuffers:
         storage: Storage,
         state_names: tuple[str, ...],
         state_signed: dict[str, bool] | None = None,
+        persistent_grads: bool = False,
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -168,7 +169,19 @@ class KeyBuffers:
             else {}
         )
         self.fragments = layout.rank_fragments(rank)
-        self.grad_buckets: dict[int, torch.Tensor] = {}  # live transient grad buffers
+        self.grad_buckets: dict[int, torch.Tensor] = {}  # live grad buffers of this iteration
+        #: with NCCL user buffers (user_buffers.py) the grad buffers are allocated once, here
+        self.persistent_grads = persistent_grads
+        self._grad_store: dict[int, torch.Tensor] = (
+            {
+                b.index: torch.empty(b.numel, dtype=grad_sync_dtype, device=device)
+                for b in layout.buckets
+            }
+            if persistent_grads
+            else {}
+        )
+        if persistent_grads:
+            self._grad_shard = torch.empty(shard, dtype=grad_sync_dtype, device=device)
 
     # -- transient grad buffers ------------------------------------------------------------------
 
@@ -183,19 +196,23 @@ class KeyBuffers:
         return self._grad_shard
 
     def release_grad_shard(self) -> None:
-        self._grad_shard = None
+        if not self.persistent_grads:
+            self._grad_shard = None
 
     def grad_bucket(self, bucket: int) -> torch.Tensor:
         """The grad buffer of a bucket, allocated (uninitialised) on first use."""
         t = self.grad_buckets.get(bucket)
         if t is None:
-            numel = self.layout.buckets[bucket].numel
-            t = torch.empty(numel, dtype=self.grad_dtype, device=self.device)
+            t = self._grad_store.get(bucket)
+            if t is None:
+                numel = self.layout.buckets[bucket].numel
+                t = torch.empty(numel, dtype=self.grad_dtype, device=self.device)
             self.grad_buckets[bucket] = t
         return t
 
     def release_grad_bucket(self, bucket: int) -> None:
-        """Forgets a bucket's grad buffer (whoever still holds it keeps it alive)."""
+        """Forgets a bucket's grad buffer for this iteration (whoever still holds it keeps it
+        alive; a persistent one is reused by the next iteration)."""
         self.grad_buckets.pop(bucket, None)
 
     # -- views -----------------------------------------------------------------------------------
@@ -247,8 +264,9 @@ class KeyBuffers:
 
     def bytes(self) -> dict[str, int]:
         """Bytes held per persistent buffer (``sync_space`` only when separate, ``master`` 0 when
-        the params are the masters, ``remainder`` and ``<state>_scales`` when kept); the transient
-        grad buckets and grad shard are not counted."""
+        the params are the masters, ``remainder`` and ``<state>_scales`` when kept,
+        ``grad_buckets`` and ``grad_shard`` when persistent); transient grad buffers are not
+        counted."""
 
         def size(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
@@ -265,4 +283,7 @@ class KeyBuffers:
             out[name] = size(t)
         for name, t in self.scales.items():
             out[f"{name}_scales"] = size(t)
+        if self.persistent_grads:
+            out["grad_buckets"] = sum(size(t) for t in self._grad_store.values())
+            out["grad_shard"] = size(self.grad_shard)
         return out

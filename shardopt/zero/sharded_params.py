@@ -8,7 +8,10 @@ writes straight into them; frozen params get no buckets and no state.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +87,8 @@ class ShardingConfig:
     capturable: bool
     skip_unused_params: bool
     storage: Storage = Storage()
+    #: NCCL user-buffer registration (shardopt/zero/user_buffers.py): persistent grad buffers
+    nccl_ub: bool = False
 
     def describe(self) -> tuple:
         return tuple(str(v) for v in self.__dict__.values())
@@ -114,8 +119,11 @@ class ShardedParams:
         process_group: comm.ProcessGroup | None,
         redundant_process_group: comm.ProcessGroup | None,
         owner: str,
+        allocating: Callable[[], ContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.owner = owner
+        #: the context every buffer is allocated in (an NCCL-registered pool with ``nccl_ub``)
+        self.allocating = allocating
         self.config = config
         self.process_group = process_group
         self.rank = comm.rank(process_group)
@@ -242,17 +250,19 @@ class ShardedParams:
                 bucket_numel=max(bucket_numel, 1),
                 align_numel=config.storage.align_numel(ALIGN_BYTES // smallest),
             )
-            buffers = KeyBuffers(
-                layout,
-                self.rank,
-                device=self.device,
-                param_dtype=dtype,
-                grad_sync_dtype=grad_dtype,
-                param_sync_dtype=sync_dtype,
-                storage=config.storage,
-                state_names=state_names,
-                state_signed=state_signed,
-            )
+            with self.allocating():
+                buffers = KeyBuffers(
+                    layout,
+                    self.rank,
+                    device=self.device,
+                    param_dtype=dtype,
+                    grad_sync_dtype=grad_dtype,
+                    param_sync_dtype=sync_dtype,
+                    storage=config.storage,
+                    state_names=state_names,
+                    state_signed=state_signed,
+                    persistent_grads=config.nccl_ub,
+                )
             keys.append(Key(len(keys), gi, dtype, layout, buffers))
         return keys
 

@@ -1,0 +1,107 @@
+"""NCCL user-buffer registration: Apex's ``nccl_ub=True``.
+
+NCCL moves a collective's data with fewer copies and fewer SMs when its send and receive buffers
+are registered with the communicator (zero-copy transfers, NVLS and CollNet algorithms). torch
+exposes registration as a CUDA memory pool made with the NCCL backend's allocator
+(``ncclMemAlloc``) and registered with ``ProcessGroupNCCL.register_mem_pool``; NCCL then finds a
+buffer's registration from its address at each collective.
+
+With ``nccl_ub=True`` every buffer the engine's collectives read or write is carved from one such
+pool, registered once when the optimizer is built: the param buffers the all-gathers fill (and
+the param-sync buffers, when separate) and, instead of the transient per-bucket grad buffers,
+persistent grad buckets and a persistent grad shard. Apex likewise needs its contiguous grad
+buffer for ``nccl_ub``; the price is the grad buffer's bytes (one grad per param in the grad-sync
+dtype, plus this rank's shard of it), which ``memory_bytes()`` then counts. Later reduce-scatters
+of an accumulation round's extra partial sums use unregistered scratch (NCCL takes both kinds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from shardopt.zero import comm
+
+
+def check(owner: str, device: torch.device, groups: Sequence[comm.ProcessGroup | None]) -> None:
+    """Raises, naming ``nccl_ub``, unless every group is NCCL, the params are on CUDA and this
+    torch exposes registration through the NCCL memory pool."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"{owner}: nccl_ub=True registers CUDA buffers with NCCL, but the params are on "
+            f"{device}; use nccl_ub=False"
+        )
+    for group in groups:
+        name = comm.backend(group)
+        if name != "nccl":
+            raise ValueError(
+                f"{owner}: nccl_ub=True needs NCCL process groups, but one uses {name!r}; use "
+                "nccl_ub=False"
+            )
+    backends = [comm.device_backend(g, device) for g in groups]
+    exposed = hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
+    if not exposed or not all(
+        hasattr(b, "mem_allocator") and hasattr(b, "register_mem_pool") for b in backends
+    ):
+        raise NotImplementedError(
+            f"{owner}: nccl_ub=True needs NCCL user-buffer registration through torch's NCCL "
+            "memory pool (torch.cuda.MemPool over ProcessGroupNCCL.mem_allocator, "
+            f"register_mem_pool), which torch {torch.__version__} does not expose; use "
+            "nccl_ub=False"
+        )
+
+
+class UserBuffers:
+    """One NCCL-allocated memory pool: what is allocated inside ``allocating()`` comes from it;
+    ``register()`` registers it with every group's communicator (deregistered when the owner is
+    collected). Build it after ``check``, on every rank."""
+
+    def __init__(
+        self, owner: str, device: torch.device, groups: Sequence[comm.ProcessGroup | None]
+    ) -> None:
+        self.owner = owner
+        self.device = device
+        self.backends = [comm.device_backend(g, device) for g in groups]
+        self.groups = list(groups)
+        with torch.cuda.device(device):
+            self.pool = torch.cuda.MemPool(self.backends[0].mem_allocator)
+        self.registered = False
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        with torch.cuda.device(self.device), torch.cuda.use_mem_pool(self.pool):
+            yield
+
+    def register(self, owner_object: object) -> None:
+        """Registers every segment of the pool with each group's communicator (the communicators
+        exist: the params were broadcast over these groups). Collective: a rank whose NCCL
+        refuses makes every rank raise."""
+        error = None
+        done = []
+        try:
+            for backend in self.backends:
+                backend.register_mem_pool(self.pool)
+                done.append(backend)
+        except Exception as e:  # noqa: BLE001 (NCCL's DistBackendError and its kin)
+            error = RuntimeError(f"{self.owner}: nccl_ub=True: NCCL refused the registration: {e}")
+        if error is not None:
+            _deregister(self.pool, done)
+        comm.raise_if_any(error, self.groups[0])
+        self.registered = True
+        finalizer = weakref.finalize(owner_object, _deregister, self.pool, done)
+        finalizer.atexit = False  # at exit the communicators may be gone first
+
+    def segments(self) -> int:
+        """Segments of the pool (what registration covers)."""
+        return len(self.pool.snapshot())
+
+
+def _deregister(pool, backends) -> None:
+    for backend in backends:
+        try:
+            backend.deregister_mem_pool(pool)
+        except Exception:  # noqa: BLE001 (the process group was destroyed first)
+            pass

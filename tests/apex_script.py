@@ -1,0 +1,228 @@
+"""Apex DistributedFusedAdam scripts, unchanged but for the import.
+
+Each case uses the optimizer as a script written for
+``apex.contrib.optimizers.distributed_fused_adam.DistributedFusedAdam`` does (Apex's keywords,
+``init_params``, ``no_sync`` on every micro-batch but the last, ``clip_grad_norm``, a GradScaler
+through ``scaler.step``, the DP-independent ``state_dict`` round trip at another bucket size,
+``store_param_remainders``, ``nccl_ub``) with the one import line changed, and checks the model
+against DDP + torch.optim.AdamW every step, as Apex's own tests do.
+
+GPUs (NCCL): ``torchrun --nproc-per-node N tests/apex_script.py`` prints PASS/FAIL per case and
+exits non-zero on a failure. CPU (gloo): tests/test_apex_compat.py runs the same cases at world
+sizes 2 and 3.
+"""
+
+import contextlib
+import copy
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+# Apex: from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+from shardopt import DistributedFusedAdam
+
+SIZE, LAYERS, STEPS, MICRO = 48, 3, 4, 3
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+TOL = dict(rtol=1.3e-6, atol=1e-5)  # fp32 (the spec's distributed tolerance)
+ONE_LAYER_MB = SIZE * (SIZE + 1) * 4 / 2**20  # buckets of about one layer: several buckets
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_models(model_dtype=torch.float32, **optim_kwargs):
+    """(DDP reference in fp32, its AdamW, the model in ``model_dtype``, DistributedFusedAdam)."""
+    dev = _device()
+    torch.manual_seed(1234)
+    layers = [nn.Linear(SIZE, SIZE) for _ in range(LAYERS)]
+    ref = nn.Sequential(*copy.deepcopy(layers)).to(dev)
+    model = nn.Sequential(*layers).to(dev, model_dtype)
+    ref_ddp = DDP(ref, device_ids=[dev.index] if dev.type == "cuda" else None)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    opt = DistributedFusedAdam(model.parameters(), **HYPER, **optim_kwargs)
+    return ref_ddp, ref_opt, model, opt
+
+
+def micro_batches(step: int, rank: int):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    dev = _device()
+    return [
+        (torch.randn(4, SIZE, generator=gen).to(dev), torch.randn(4, SIZE, generator=gen).to(dev))
+        for _ in range(MICRO)
+    ]
+
+
+def backward(model, sync_context, data, dtype=torch.float32, scaler=None, poison=False):
+    """Micro-batches with grad sync only on the last one (Apex's and DDP's ``no_sync``)."""
+    for i, (x, y) in enumerate(data):
+        last = i == len(data) - 1
+        with contextlib.nullcontext() if last else sync_context():
+            loss = (model(x.to(dtype)).float() - y).square().mean() / len(data)
+            if poison and last:
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def check_close(model, ref, **tol):
+    """Compares through ``state_dict()`` (it waits for an overlapped param sync)."""
+    ours, theirs = model.state_dict(), ref.module.state_dict()
+    for name, v in theirs.items():
+        torch.testing.assert_close(ours[name].float(), v, **(tol or TOL), msg=name)
+
+
+def train_and_compare(ref, ref_opt, model, opt, *, clip=None, dtype=torch.float32, steps=STEPS):
+    rank = dist.get_rank()
+    for step in range(steps):
+        data = micro_batches(step, rank)
+        backward(model, opt.no_sync, data, dtype)
+        if clip is not None:
+            opt.clip_grad_norm(clip)
+        opt.step()
+        opt.zero_grad()
+        backward(ref, ref.no_sync, data)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        check_close(model, ref)
+
+
+def default_keywords(rank, world):
+    """Apex's defaults, params initialised in reverse order with ``init_params``."""
+    ref, ref_opt, model, opt = make_models()
+    opt.init_params(reversed(list(model.parameters())))
+    train_and_compare(ref, ref_opt, model, opt)
+
+
+def overlapped_with_contiguous_buffers(rank, world):
+    """Overlapped grad and param sync, contiguous buffers, several buckets, clipping."""
+    ref, ref_opt, model, opt = make_models(
+        overlap_grad_sync=True,
+        overlap_param_sync=True,
+        contiguous_param_buffer=True,
+        contiguous_grad_buffer=True,
+        store_params=False,
+        bucket_cap_mb=ONE_LAYER_MB,
+        pipeline_size=2,
+    )
+    train_and_compare(ref, ref_opt, model, opt, clip=1.0)
+
+
+def bf16_params_with_remainders(rank, world):
+    """bf16 params with int16 remainders (no fp32 master copy): the same params as an fp32
+    master (one bf16 ulp at exact ties), and close to DDP + AdamW in fp32."""
+    kw = dict(dtype=torch.float32, grad_sync_dtype=torch.float32, param_sync_dtype=torch.bfloat16)
+    _, _, model, opt = make_models(
+        torch.bfloat16, store_params=False, store_param_remainders=True, **kw
+    )
+    ref, ref_opt, master_model, master_opt = make_models(torch.bfloat16, **kw)
+    for step in range(STEPS):
+        data = micro_batches(step, rank)
+        for m, o in ((model, opt), (master_model, master_opt)):
+            backward(m, o.no_sync, data, torch.bfloat16)
+            o.step()
+            o.zero_grad()
+        for name, p in master_model.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], p, rtol=2**-7, atol=0)
+    assert opt.memory_bytes()["master"] == 0 and opt.memory_bytes()["remainder"] > 0
+
+
+def grad_scaler_skips_overflow(rank, world):
+    """torch.amp.GradScaler through ``scaler.step(opt)``; an inf on one rank skips the step on
+    every rank, as DDP + AdamW with its own scaler."""
+    ref, ref_opt, model, opt = make_models()
+    dev = _device().type
+    scalers = [torch.amp.GradScaler(dev, init_scale=2.0**12) for _ in range(2)]
+    for step in range(STEPS):
+        data = micro_batches(step, rank)
+        poison = step == 1 and rank == 0
+        for m, o, ctx, s in (
+            (model, opt, opt.no_sync, scalers[0]),
+            (ref, ref_opt, ref.no_sync, scalers[1]),
+        ):
+            backward(m, ctx, data, scaler=s, poison=poison)
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        check_close(model, ref)
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+    assert scalers[0].get_scale() == 2.0**11  # halved once, at the skipped step
+
+
+def state_dict_round_trip(rank, world):
+    """The DP-independent state dict (collective, the same on every rank) loads into a new
+    optimizer with another bucket size and training continues as if uninterrupted."""
+    ref, ref_opt, model, opt = make_models(bucket_cap_mb=ONE_LAYER_MB)
+    train_and_compare(ref, ref_opt, model, opt, steps=2)
+    model_sd, opt_sd = model.state_dict(), opt.state_dict()
+    del opt
+    _, _, model, opt = make_models(bucket_cap_mb=3 * ONE_LAYER_MB)
+    model.load_state_dict(model_sd)
+    opt.load_state_dict(opt_sd)
+    for step in range(2, STEPS):
+        data = micro_batches(step, rank)
+        backward(model, opt.no_sync, data)
+        opt.step()
+        opt.zero_grad()
+        backward(ref, ref.no_sync, data)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        check_close(model, ref)
+
+
+def nccl_user_buffers(rank, world):
+    """``nccl_ub=True`` with Apex's contiguous grad buffer (NCCL); gloo refuses it clearly."""
+    if _device().type != "cuda":
+        try:
+            make_models(nccl_ub=True)
+        except ValueError as e:
+            assert "nccl_ub" in str(e), e
+            return
+        raise AssertionError("nccl_ub=True was accepted on gloo")
+    ref, ref_opt, model, opt = make_models(
+        nccl_ub=True, contiguous_grad_buffer=True, bucket_cap_mb=ONE_LAYER_MB
+    )
+    train_and_compare(ref, ref_opt, model, opt, clip=1.0)
+
+
+CASES = [
+    default_keywords,
+    overlapped_with_contiguous_buffers,
+    bf16_params_with_remainders,
+    grad_scaler_skips_overflow,
+    state_dict_round_trip,
+    nccl_user_buffers,
+]
+
+
+def main() -> int:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    failed = 0
+    for case in CASES:
+        try:
+            case(rank, world)
+            ok = True
+        except Exception:
+            ok = False
+            failed += 1
+            traceback.print_exc()
+        if rank == 0:
+            print(f"{'PASS' if ok else 'FAIL'} {case.__name__} ({backend}, world {world})")
+        dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
