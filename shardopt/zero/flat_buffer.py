@@ -25,6 +25,9 @@ A shard is either a flat tensor or a ``ChunkedShard``; take views of it only thr
 from __future__ import annotations
 
 import bisect
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -110,6 +113,7 @@ class KeyBuffers:
         state_names: tuple[str, ...],
         state_signed: dict[str, bool] | None = None,
         persistent_grads: bool = False,
+        comm_allocating: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -117,12 +121,13 @@ class KeyBuffers:
         self.grad_dtype = grad_sync_dtype
         self.storage = storage
         space, shard = layout.space_numel, layout.shard_numel
-        self.param_space = torch.zeros(space, dtype=param_dtype, device=device)
-        self.sync_space = (
-            self.param_space
-            if param_sync_dtype == param_dtype
-            else torch.zeros(space, dtype=param_sync_dtype, device=device)
-        )
+        with comm_allocating():  # what the all-gathers write
+            self.param_space = torch.zeros(space, dtype=param_dtype, device=device)
+            self.sync_space = (
+                self.param_space
+                if param_sync_dtype == param_dtype
+                else torch.zeros(space, dtype=param_sync_dtype, device=device)
+            )
         self._grad_shard: torch.Tensor | None = None
         #: see Note: compact storage (state_storage.py): ``param``, ``copy`` or ``remainder``
         self.master_kind = storage.master_kind(param_dtype, param_sync_dtype)
@@ -172,16 +177,14 @@ class KeyBuffers:
         self.grad_buckets: dict[int, torch.Tensor] = {}  # live grad buffers of this iteration
         #: with NCCL user buffers (user_buffers.py) the grad buffers are allocated once, here
         self.persistent_grads = persistent_grads
-        self._grad_store: dict[int, torch.Tensor] = (
-            {
-                b.index: torch.empty(b.numel, dtype=grad_sync_dtype, device=device)
-                for b in layout.buckets
-            }
-            if persistent_grads
-            else {}
-        )
+        self._grad_store: dict[int, torch.Tensor] = {}
         if persistent_grads:
-            self._grad_shard = torch.empty(shard, dtype=grad_sync_dtype, device=device)
+            with comm_allocating():  # what the reduce-scatters read and write
+                for b in layout.buckets:
+                    self._grad_store[b.index] = torch.empty(
+                        b.numel, dtype=grad_sync_dtype, device=device
+                    )
+                self._grad_shard = torch.empty(shard, dtype=grad_sync_dtype, device=device)
 
     # -- transient grad buffers ------------------------------------------------------------------
 

@@ -122,7 +122,8 @@ class ShardedParams:
         allocating: Callable[[], ContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.owner = owner
-        #: the context every buffer is allocated in (an NCCL-registered pool with ``nccl_ub``)
+        #: the context the collectives' buffers are allocated in (an NCCL-registered pool with
+        #: ``nccl_ub``; optimizer state stays outside it)
         self.allocating = allocating
         self.config = config
         self.process_group = process_group
@@ -250,19 +251,19 @@ class ShardedParams:
                 bucket_numel=max(bucket_numel, 1),
                 align_numel=config.storage.align_numel(ALIGN_BYTES // smallest),
             )
-            with self.allocating():
-                buffers = KeyBuffers(
-                    layout,
-                    self.rank,
-                    device=self.device,
-                    param_dtype=dtype,
-                    grad_sync_dtype=grad_dtype,
-                    param_sync_dtype=sync_dtype,
-                    storage=config.storage,
-                    state_names=state_names,
-                    state_signed=state_signed,
-                    persistent_grads=config.nccl_ub,
-                )
+            buffers = KeyBuffers(
+                layout,
+                self.rank,
+                device=self.device,
+                param_dtype=dtype,
+                grad_sync_dtype=grad_dtype,
+                param_sync_dtype=sync_dtype,
+                storage=config.storage,
+                state_names=state_names,
+                state_signed=state_signed,
+                persistent_grads=config.nccl_ub,
+                comm_allocating=self.allocating,
+            )
             keys.append(Key(len(keys), gi, dtype, layout, buffers))
         return keys
 
