@@ -178,7 +178,8 @@ def state_dict_round_trip(rank, world):
 
 
 def nccl_user_buffers(rank, world):
-    """``nccl_ub=True`` with Apex's contiguous grad buffer (NCCL); gloo refuses it clearly."""
+    """``nccl_ub=True`` with Apex's contiguous grad buffer (NCCL; a NotImplementedError with
+    the reason where this torch's NCCL has no memory pool); gloo refuses it clearly."""
     if _device().type != "cuda":
         try:
             make_models(nccl_ub=True)
@@ -186,6 +187,18 @@ def nccl_user_buffers(rank, world):
             assert "nccl_ub" in str(e), e
             return
         raise AssertionError("nccl_ub=True was accepted on gloo")
+    from shardopt.zero import user_buffers
+
+    reason = user_buffers.missing(_device(), [None])
+    if reason is not None:  # this torch's NCCL cannot: a clear NotImplementedError
+        try:
+            make_models(nccl_ub=True)
+        except NotImplementedError as e:
+            assert "nccl_ub" in str(e) and reason in str(e), e
+            if rank == 0:
+                print(f"nccl_ub=True refused as this torch cannot register: {reason}")
+            return
+        raise AssertionError(f"nccl_ub=True was accepted although {reason}")
     ref, ref_opt, model, opt = make_models(
         nccl_ub=True, contiguous_grad_buffer=True, bucket_cap_mb=ONE_LAYER_MB
     )

@@ -118,8 +118,9 @@ def reads_after_step_see_new_values(rank, world):
 
 def nccl_user_buffers(rank, world):
     """nccl_ub=True (NCCL): buffers carved from the registered NCCL pool give the bits of
-    nccl_ub=False through accumulation, an unused module and clipping, in fp32 and bf16 (gloo:
-    refused with an error naming nccl_ub)."""
+    nccl_ub=False through accumulation, an unused module and clipping, in fp32 and bf16; where
+    this torch's NCCL has no memory pool, a NotImplementedError giving the reason (gloo: refused
+    with an error naming nccl_ub)."""
     dev = _device()
     if dist.get_backend() != "nccl":
         try:
@@ -128,6 +129,18 @@ def nccl_user_buffers(rank, world):
             assert "nccl_ub" in str(e), e
             return
         raise AssertionError("nccl_ub=True was accepted on gloo")
+    from shardopt.zero import user_buffers
+
+    reason = user_buffers.missing(dev, [None])
+    if reason is not None:  # this torch's NCCL cannot: a clear NotImplementedError, every rank
+        try:
+            shardopt.DistributedFusedAdam(Net().to(dev).parameters(), nccl_ub=True)
+        except NotImplementedError as e:
+            assert "nccl_ub" in str(e) and reason in str(e), e
+            if rank == 0:
+                print(f"nccl_ub=True refused as this torch cannot register: {reason}")
+            return
+        raise AssertionError(f"nccl_ub=True was accepted although {reason}")
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         models = [Net().to(dev, dtype)]

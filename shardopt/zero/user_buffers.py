@@ -41,17 +41,30 @@ def check(owner: str, device: torch.device, groups: Sequence[comm.ProcessGroup |
                 f"{owner}: nccl_ub=True needs NCCL process groups, but one uses {name!r}; use "
                 "nccl_ub=False"
             )
-    backends = [comm.device_backend(g, device) for g in groups]
-    exposed = hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
-    if not exposed or not all(
-        hasattr(b, "mem_allocator") and hasattr(b, "register_mem_pool") for b in backends
-    ):
+    reason = missing(device, groups)
+    if reason is not None:
         raise NotImplementedError(
             f"{owner}: nccl_ub=True needs NCCL user-buffer registration through torch's NCCL "
             "memory pool (torch.cuda.MemPool over ProcessGroupNCCL.mem_allocator, "
-            f"register_mem_pool), which torch {torch.__version__} does not expose; use "
-            "nccl_ub=False"
+            f"register_mem_pool), which torch {torch.__version__} does not provide here "
+            f"({reason}); use nccl_ub=False"
         )
+
+
+def missing(device: torch.device, groups: Sequence[comm.ProcessGroup | None]) -> str | None:
+    """Why this torch and NCCL cannot register user buffers for ``groups`` (None: they can).
+    Builds whose NCCL lacks ``ncclMemAlloc`` raise when the allocator is asked for."""
+    if not (hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")):
+        return "no torch.cuda.MemPool"
+    for group in groups:
+        backend = comm.device_backend(group, device)
+        if not hasattr(type(backend), "register_mem_pool"):
+            return f"{type(backend).__name__} has no register_mem_pool"
+        try:
+            backend.mem_allocator  # noqa: B018 (raises where NCCL has no ncclMemAlloc)
+        except (AttributeError, RuntimeError, NotImplementedError) as e:
+            return str(e).splitlines()[0]
+    return None
 
 
 class UserBuffers:
