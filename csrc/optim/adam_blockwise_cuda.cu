@@ -49,20 +49,33 @@ __constant__ uint32_t kSignedMapBits[256] = {SHARDOPT_SIGNED_MAP_BITS};
 __constant__ uint32_t kUnsignedMapBits[256] = {SHARDOPT_UNSIGNED_MAP_BITS};
 
 // Launch shape: kThreads threads (one thread block per SM; the register cap is 65536 / kThreads),
-// kBlocks 256-element blocks per superblock (one set of copies) and kStages stages of loads per
-// warp.
-template <int Threads, int Blocks, int Stages>
+// kBlocks 256-element blocks per superblock (one set of copies), kStages stages of loads per warp,
+// and how the launch's superblocks are dealt: kInterleave, warp w of the grid takes superblocks w,
+// w + warps, ... (the grid works on one region at a time); else each thread block takes a
+// contiguous range, its warps interleaved.
+template <int Threads, int Blocks, int Stages, bool Interleave>
 struct Config {
   static constexpr int kThreads = Threads;
   static constexpr int kBlocks = Blocks;
   static constexpr int kStages = Stages;
+  static constexpr bool kInterleave = Interleave;
 };
-// The build's configuration; a build may name another to tune:
-// -DSHARDOPT_BLOCKWISE_CONFIG='Config<1024, 1, 2>'.
-#ifndef SHARDOPT_BLOCKWISE_CONFIG
-#define SHARDOPT_BLOCKWISE_CONFIG Config<512, 2, 2>
+// The build's configuration. A build may tune it with -DSHARDOPT_BLOCKWISE_THREADS=... (and
+// _BLOCKS, _STAGES, _INTERLEAVE; separate macros: nvcc splits -D values at commas).
+#ifndef SHARDOPT_BLOCKWISE_THREADS
+#define SHARDOPT_BLOCKWISE_THREADS 512
 #endif
-using DefaultConfig = SHARDOPT_BLOCKWISE_CONFIG;
+#ifndef SHARDOPT_BLOCKWISE_BLOCKS
+#define SHARDOPT_BLOCKWISE_BLOCKS 2
+#endif
+#ifndef SHARDOPT_BLOCKWISE_STAGES
+#define SHARDOPT_BLOCKWISE_STAGES 2
+#endif
+#ifndef SHARDOPT_BLOCKWISE_INTERLEAVE
+#define SHARDOPT_BLOCKWISE_INTERLEAVE 0
+#endif
+using DefaultConfig = Config<SHARDOPT_BLOCKWISE_THREADS, SHARDOPT_BLOCKWISE_BLOCKS,
+                             SHARDOPT_BLOCKWISE_STAGES, SHARDOPT_BLOCKWISE_INTERLEAVE != 0>;
 
 // ---- asynchronous copies and mbarriers (sm_90) ---------------------------------------------------
 
@@ -447,12 +460,12 @@ struct BlockwiseAdam : cuda::OpBase {
     return static_cast<T*>(meta.addresses[s][it.local]) + it.blk * kBlock;
   }
 
-  // A warp's walk over the launch's superblocks: sb, sb + kWarps, ... below end (warp-uniform).
+  // A warp's walk over the launch's superblocks: sb, sb + step, ... below end (warp-uniform).
   // The launch's blocks run tensor by tensor: entry t holds blocks [first[t], block_end[t] * 256)
   // and its block b is element (b - first[t] + skip[t]) * 256 of the tensor, skip[t] the blocks of
   // a tensor continued from a previous launch (entry 0 only).
   struct Cursor {
-    int64_t sb, end;
+    int64_t sb, end, step;
     int local;
     int64_t entry_end;  // superblocks below the end of entry `local`
     int64_t offset;     // first[local] - skip[local], in blocks
@@ -480,7 +493,7 @@ struct BlockwiseAdam : cuda::OpBase {
     }
 
     __device__ __forceinline__ void next(const Meta& meta) {
-      sb += kWarps;
+      sb += step;
       if (sb >= entry_end && sb < end) enter(meta);
     }
   };
@@ -793,9 +806,7 @@ struct BlockwiseAdam : cuda::OpBase {
     }
   }
 
-  // The launch's superblocks: thread block c takes a contiguous range, its warps interleaved
-  // (warp w: the range's superblocks w, w + kWarps, ...), so that a thread block's copies cover
-  // one region at a time.
+  // The launch's superblocks, dealt as Config says.
   __device__ __forceinline__ void run(const Meta& meta, unsigned char* smem) const {
     if (skip()) return;
     // The warp index through a shuffle: warp-uniform for the compiler, so that the cursor, the
@@ -806,10 +817,17 @@ struct BlockwiseAdam : cuda::OpBase {
     const uint32_t bars = smem_addr(smem + kBarsOff) + static_cast<uint32_t>(warp * kStages * 8);
     const int64_t supers =
         static_cast<int64_t>(meta.block_end[meta.tensors - 1]) * (kBlocksPerChunk / kK);
-    const int64_t per_cta = (supers + gridDim.x - 1) / gridDim.x;
     Cursor cur;
-    cur.sb = static_cast<int64_t>(blockIdx.x) * per_cta + warp;
-    cur.end = min(supers, static_cast<int64_t>(blockIdx.x + 1) * per_cta);
+    if constexpr (Cfg::kInterleave) {
+      cur.sb = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+      cur.end = supers;
+      cur.step = static_cast<int64_t>(gridDim.x) * kWarps;
+    } else {
+      const int64_t per_cta = (supers + gridDim.x - 1) / gridDim.x;
+      cur.sb = static_cast<int64_t>(blockIdx.x) * per_cta + warp;
+      cur.end = min(supers, static_cast<int64_t>(blockIdx.x + 1) * per_cta);
+      cur.step = kWarps;
+    }
     cur.local = 0;
     cur.enter(meta);
     if (lane == 0) {
@@ -834,7 +852,7 @@ struct BlockwiseAdam : cuda::OpBase {
                   lane};
     int s = 0;
     uint32_t parity = 0;
-    for (int64_t sb = cur.sb - kStages * kWarps; sb < cur.end; sb += kWarps) {
+    for (int64_t sb = cur.sb - kStages * cur.step; sb < cur.end; sb += cur.step) {
       const Item it = items[0];
 #pragma unroll
       for (int q = 0; q + 1 < kStages; ++q) items[q] = items[q + 1];
