@@ -1,29 +1,33 @@
 // Adam over blockwise compact state (scaled_fp16, int8) on CUDA tensors (docs/kernels.md "Compact
 // state kernels"). The lists are packed into launches as cuda_apply.cuh does (for_each_launch), but
-// the grid is persistent: one thread block per SM, whose warps take the launch's 256-element blocks
-// in turn (warp w of the grid: blocks w, w + warps, ...), so int8's search tables are built once
-// per SM. One warp per block: lane l holds elements [8l, 8l + 8) in registers. The block's amax is a
-// warp max of the bits (no shared memory, no atomics: deterministic) and lane 0 writes the scales.
+// the grid is persistent: one thread block per SM, so int8's search tables are built once per SM.
+// Work comes in superblocks of kBlocks consecutive 256-element blocks (one set of copies); warp w of
+// the grid takes superblocks w, w + warps, ... (Config: or contiguous ranges per thread block),
+// walking the launch's tensors with a warp-uniform cursor. One warp per block: lane l holds
+// elements [8l, 8l + 8) of each block in registers, as packed words. A block's amax is a warp max
+// of the bits (no shared memory, no atomics: deterministic) and lane 0 writes the scales.
 //
 // Loads are asynchronous: each warp owns kStages shared-memory stages, each with an mbarrier. Lane
-// 0 starts a block's bulk copies (cp.async.bulk: the 256 grads, params, remainders and codes, one
-// copy per array) and 4-byte cp.async copies of its two scales into a stage; the warp waits on the
-// stage's barrier, moves the stage into registers (16-byte shared loads), and lane 0 refills the
-// stage with the block kStages turns ahead before the warp computes, so each warp keeps kStages
-// blocks of loads in flight without holding registers for them. Stores go from registers (16-byte
-// accesses). Partial blocks and tensors not 16-byte aligned are read from global memory instead
-// (their stage carries only the scales).
+// 0 starts a superblock's bulk copies (cp.async.bulk: its grads, params, remainders and codes, one
+// copy per array) and cp.async copies of its scales into a stage; the warp waits on the stage's
+// barrier, moves the stage into registers (16-byte shared loads), and lane 0 refills the stage with
+// the superblock kStages turns ahead before the warp computes, so each warp keeps kStages
+// superblocks of loads in flight without holding registers for them. The blocks of a superblock are
+// updated together (more independent work per lane). Stores go from registers (16-byte accesses).
+// Partial superblocks and tensors not 16-byte aligned are read from global memory instead, a block
+// at a time (their stage carries only the scales).
 //
 // The Adam math is adam_math.h's (moments, direction, apply_step) with the divisions and the square
 // root of the direction evaluated, where every operand is in a range that keeps them exact
 // (FastDirection), by the instruction sequences nvcc emits for `/` and sqrt on their fast path,
 // with the reciprocals of the bias corrections computed once: the same bits, without the branch
 // around each division that kept the 8 elements of a lane from overlapping. Elsewhere the plain
-// expression. The range check is an integer min and max of the bits of m and v per lane, which the
-// block amax needs anyway.
+// expression. The range check is an integer min and max of the bits of |m| and v per lane, which
+// the block amax needs anyway.
 //
-// int8 codes: one shared-memory word per bucket of xn (state_codec.h, int8_code_search): one
-// lookup and one comparison per code; decoding reads the maps from shared memory.
+// int8 codes: one shared-memory word per bucket of the sign-folded xn (state_codec.h,
+// int8_code_search): one lookup and one comparison (a borrow) per code; decoding reads the maps
+// from shared memory.
 #include <c10/cuda/CUDAException.h>
 #include <cuda_fp16.h>
 
@@ -52,7 +56,9 @@ __constant__ uint32_t kUnsignedMapBits[256] = {SHARDOPT_UNSIGNED_MAP_BITS};
 // kBlocks 256-element blocks per superblock (one set of copies), kStages stages of loads per warp,
 // and how the launch's superblocks are dealt: kInterleave, warp w of the grid takes superblocks w,
 // w + warps, ... (the grid works on one region at a time); else each thread block takes a
-// contiguous range, its warps interleaved.
+// contiguous range, its warps interleaved. Measured on an H200 (docs/benchmarks.md, "Compact state
+// formats"): 512 x 2 x 2 beat 768 x 1 x 2 and 1024 x 1 x 2 (more warps, one block per superblock),
+// and interleaving over the grid beat contiguous ranges by 0.4-2.6% of copy bandwidth.
 template <int Threads, int Blocks, int Stages, bool Interleave>
 struct Config {
   static constexpr int kThreads = Threads;
@@ -72,7 +78,7 @@ struct Config {
 #define SHARDOPT_BLOCKWISE_STAGES 2
 #endif
 #ifndef SHARDOPT_BLOCKWISE_INTERLEAVE
-#define SHARDOPT_BLOCKWISE_INTERLEAVE 0
+#define SHARDOPT_BLOCKWISE_INTERLEAVE 1
 #endif
 using DefaultConfig = Config<SHARDOPT_BLOCKWISE_THREADS, SHARDOPT_BLOCKWISE_BLOCKS,
                              SHARDOPT_BLOCKWISE_STAGES, SHARDOPT_BLOCKWISE_INTERLEAVE != 0>;
