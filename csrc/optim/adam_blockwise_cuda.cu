@@ -1,22 +1,35 @@
 // Adam over blockwise compact state (scaled_fp16, int8) on CUDA tensors (docs/kernels.md "Compact
 // state kernels"). The lists are packed into launches as cuda_apply.cuh does (for_each_launch), but
-// the grid is persistent: as many thread blocks as fit on the SMs, whose warps take the launch's
-// 256-element blocks in turn (warp w of the grid: blocks w, w + warps, ...), so int8's search
-// tables are built once per thread block and no SM idles while a thread block drains. One warp per
-// block: lane l holds elements [8l, 8l + 8) in registers, loaded and stored as 16-byte accesses
-// (8 bytes for int8 codes) when the tensors are aligned. The block's amax is a warp max of the bits
-// (no shared memory, no atomics: deterministic) and lane 0 writes the scales.
+// the grid is persistent: one thread block per SM, so int8's search tables are built once per SM.
+// Work comes in superblocks of kBlocks consecutive 256-element blocks (one set of copies); warp w of
+// the grid takes superblocks w, w + warps, ... (Config: or contiguous ranges per thread block),
+// walking the launch's tensors with a warp-uniform cursor. One warp per block: lane l holds
+// elements [8l, 8l + 8) of each block in registers, as packed words. A block's amax is a warp max
+// of the bits (no shared memory, no atomics: deterministic) and lane 0 writes the scales.
+//
+// Loads are asynchronous: each warp owns kStages shared-memory stages, each with an mbarrier. Lane
+// 0 starts a superblock's bulk copies (cp.async.bulk: its grads, params, remainders and codes, one
+// copy per array) and cp.async copies of its scales into a stage; the warp waits on the stage's
+// barrier, moves the stage into registers (16-byte shared loads), and lane 0 refills the stage with
+// the superblock kStages turns ahead before the warp computes, so each warp keeps kStages
+// superblocks of loads in flight without holding registers for them. The blocks of a superblock are
+// updated together (more independent work per lane). Stores go from registers (16-byte accesses).
+// Partial superblocks and tensors not 16-byte aligned are read from global memory instead, a block
+// at a time (their stage carries only the scales).
 //
 // The Adam math is adam_math.h's (moments, direction, apply_step) with the divisions and the square
 // root of the direction evaluated, where every operand is in a range that keeps them exact
 // (FastDirection), by the instruction sequences nvcc emits for `/` and sqrt on their fast path,
 // with the reciprocals of the bias corrections computed once: the same bits, without the branch
 // around each division that kept the 8 elements of a lane from overlapping. Elsewhere the plain
-// expression.
+// expression. The range check is an integer min and max of the bits of |m| and v per lane, which
+// the block amax needs anyway.
 //
-// int8 codes: one shared-memory word per bucket of |xn| (state_codec.h, int8_code_search): one
-// lookup and one comparison per code; decoding reads the maps from shared memory.
+// int8 codes: one shared-memory word per bucket of the sign-folded xn (state_codec.h,
+// int8_code_search): one lookup and one comparison (a borrow) per code; decoding reads the maps
+// from shared memory.
 #include <c10/cuda/CUDAException.h>
+#include <cuda_fp16.h>
 
 #include <array>
 #include <atomic>
@@ -39,21 +52,95 @@ static_assert(kBlocksPerChunk == 256, "a launch's block index is chunk * 256 + b
 __constant__ uint32_t kSignedMapBits[256] = {SHARDOPT_SIGNED_MAP_BITS};
 __constant__ uint32_t kUnsignedMapBits[256] = {SHARDOPT_UNSIGNED_MAP_BITS};
 
-// Launch shape: kThreads and kMinCtas go to __launch_bounds__ (the register cap is
-// 65536 / (kThreads * kMinCtas)). Measured on an H200 (docs/benchmarks.md, "Compact state
-// formats"): 512 x 2 (64 registers, 32 warps per SM) beat 256 x 3, 256 x 5 (spills) and a 512 x 1
-// variant that kept a second register set with the next block's loads in flight.
-template <int Threads, int MinCtas>
+// Launch shape: kThreads threads (one thread block per SM; the register cap is 65536 / kThreads),
+// kBlocks 256-element blocks per superblock (one set of copies), kStages stages of loads per warp,
+// and how the launch's superblocks are dealt: kInterleave, warp w of the grid takes superblocks w,
+// w + warps, ... (the grid works on one region at a time); else each thread block takes a
+// contiguous range, its warps interleaved. Measured on an H200 (docs/benchmarks.md, "Compact state
+// formats"): 512 x 2 x 2 beat 768 x 1 x 2 and 1024 x 1 x 2 (more warps, one block per superblock),
+// and interleaving over the grid beat contiguous ranges by 0.4-2.6% of copy bandwidth.
+template <int Threads, int Blocks, int Stages, bool Interleave>
 struct Config {
   static constexpr int kThreads = Threads;
-  static constexpr int kMinCtas = MinCtas;
+  static constexpr int kBlocks = Blocks;
+  static constexpr int kStages = Stages;
+  static constexpr bool kInterleave = Interleave;
 };
-// The build's configuration; a build may name another to tune:
-// -DSHARDOPT_BLOCKWISE_CONFIG='Config<256, 3>'.
-#ifndef SHARDOPT_BLOCKWISE_CONFIG
-#define SHARDOPT_BLOCKWISE_CONFIG Config<512, 2>
+// The build's configuration. A build may tune it with -DSHARDOPT_BLOCKWISE_THREADS=... (and
+// _BLOCKS, _STAGES, _INTERLEAVE; separate macros: nvcc splits -D values at commas).
+#ifndef SHARDOPT_BLOCKWISE_THREADS
+#define SHARDOPT_BLOCKWISE_THREADS 512
 #endif
-using DefaultConfig = SHARDOPT_BLOCKWISE_CONFIG;
+#ifndef SHARDOPT_BLOCKWISE_BLOCKS
+#define SHARDOPT_BLOCKWISE_BLOCKS 2
+#endif
+#ifndef SHARDOPT_BLOCKWISE_STAGES
+#define SHARDOPT_BLOCKWISE_STAGES 2
+#endif
+#ifndef SHARDOPT_BLOCKWISE_INTERLEAVE
+#define SHARDOPT_BLOCKWISE_INTERLEAVE 1
+#endif
+using DefaultConfig = Config<SHARDOPT_BLOCKWISE_THREADS, SHARDOPT_BLOCKWISE_BLOCKS,
+                             SHARDOPT_BLOCKWISE_STAGES, SHARDOPT_BLOCKWISE_INTERLEAVE != 0>;
+
+// ---- asynchronous copies and mbarriers (sm_90) ---------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Arrives once, expecting `bytes` more of transactions in the phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// Global -> shared bulk copy (16-byte aligned, a multiple of 16 bytes), completing on bar.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+template <int Bytes>
+__device__ __forceinline__ void copy_small(uint32_t dst, const void* src) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(Bytes)
+               : "memory");
+}
+
+// One arrival on bar once this thread's cp.async copies so far have landed (counted at init).
+__device__ __forceinline__ void copies_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 
 // ---- 8 elements of a lane ----------------------------------------------------------------------
 
@@ -111,6 +198,76 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t x) {
 #endif
 }
 
+// ---- a lane's 8 elements as packed 32-bit words -------------------------------------------------
+
+template <typename T>
+constexpr int kWords = kPerLane * static_cast<int>(sizeof(T)) / 4;  // 2 (1-byte) to 8 (4-byte)
+
+template <typename T, int N>
+__device__ __forceinline__ void to_words(const T (&v)[kPerLane], uint32_t (&w)[N]) {
+  static_assert(N == kWords<T>, "8 elements");
+  memcpy(&w, &v, sizeof(w));
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void from_words(const uint32_t (&w)[N], T (&v)[kPerLane]) {
+  static_assert(N == kWords<T>, "8 elements");
+  memcpy(&v, &w, sizeof(w));
+}
+
+// Element e (a compile-time index after unrolling) of 8 packed values of T, as float.
+template <typename T, int N>
+__device__ __forceinline__ float word_float(const uint32_t (&w)[N], int e) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(w[e]);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    const uint32_t x = w[e / 2];
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(e % 2 ? x >> 16 : x)));
+  } else {  // bf16 (or its bits)
+    const uint32_t x = w[e / 2];
+    return __uint_as_float(e % 2 ? x & 0xFFFF0000u : x << 16);
+  }
+}
+
+// Byte e of 8 packed bytes (one byte permute).
+__device__ __forceinline__ uint32_t word_byte(const uint32_t (&w)[2], int e) {
+  return __byte_perm(w[e / 4], 0u, 0x4440u | static_cast<uint32_t>(e % 4));
+}
+
+// 16-byte (8-byte for two words) shared or global accesses of a lane's words.
+template <int N>
+__device__ __forceinline__ void load_words(const void* p, uint32_t (&w)[N]) {
+  static_assert(N == 2 || N % 4 == 0, "8 or 16-byte accesses");
+  if constexpr (N == 2) {
+    const uint2 a = *reinterpret_cast<const uint2*>(p);
+    w[0] = a.x;
+    w[1] = a.y;
+  } else {
+#pragma unroll
+    for (int q = 0; q < N; q += 4) {
+      const uint4 a = reinterpret_cast<const uint4*>(p)[q / 4];
+      w[q] = a.x;
+      w[q + 1] = a.y;
+      w[q + 2] = a.z;
+      w[q + 3] = a.w;
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void store_words(void* p, const uint32_t (&w)[N]) {
+  static_assert(N == 2 || N % 4 == 0, "8 or 16-byte accesses");
+  if constexpr (N == 2) {
+    cuda::store_group<uint32_t, 2>(static_cast<uint32_t*>(p), w);
+  } else {
+#pragma unroll
+    for (int q = 0; q < N; q += 4) {
+      const uint32_t a[4] = {w[q], w[q + 1], w[q + 2], w[q + 3]};
+      cuda::store_group<uint32_t, 4>(static_cast<uint32_t*>(p) + q, a);
+    }
+  }
+}
+
 // ---- the direction (m / bc1) / (sqrt(v / bc2) + eps) without the division subroutines ----------
 //
 // nvcc's `a / b` (div.rn.f32) on sm_90 is y0 = rcp.approx(b), y = fma(y0, fma(y0, -b, 1), y0),
@@ -162,15 +319,24 @@ struct FastDirection {
   float y1, y2;  // div_rcp(bc1), div_rcp(bc2)
   bool ok;       // bc1, bc2, eps in range
 
+  // The operand ranges as bits: |m| in [2^-60, 2^40), v in [2^-100, 2^60) (an integer compare of
+  // the bits of non-negative floats is the float compare; a NaN or negative v is out of range).
+  static constexpr uint32_t kMLo = 0x21800000u;  // 2^-60
+  static constexpr uint32_t kMHi = 0x53800000u;  // 2^40
+  static constexpr uint32_t kVLo = 0x0D800000u;  // 2^-100
+  static constexpr uint32_t kVHi = 0x5D800000u;  // 2^60
+
   __device__ explicit FastDirection(const adam::Hyper<float>& h)
       : y1(div_rcp(h.bc1)), y2(div_rcp(h.bc2)), ok(in(h.bc1) && in(h.bc2) && h.eps >= 0.f &&
                                                    h.eps <= 0x1p40f) {}
 
   static __device__ __forceinline__ bool in(float bc) { return bc >= 0x1p-20f && bc <= 1.f; }
 
-  // Whether m, v (after adam::moments) are in range: |m| in [2^-60, 2^40), v in [2^-100, 2^60).
-  static __device__ __forceinline__ bool operands(float m, float v) {
-    return fabsf(m) >= 0x1p-60f && fabsf(m) < 0x1p40f && v >= 0x1p-100f && v < 0x1p60f;
+  // Whether a lane's m, v (after adam::moments) are in range, from the min and max of abs_bits(m)
+  // and of bits(v) over its elements.
+  static __device__ __forceinline__ bool operands(uint32_t m_lo, uint32_t m_hi, uint32_t v_lo,
+                                                  uint32_t v_hi) {
+    return m_lo >= kMLo && m_hi < kMHi && v_lo >= kVLo && v_hi < kVHi;
   }
 
   __device__ __forceinline__ float operator()(float m, float v, const adam::Hyper<float>& h) const {
@@ -178,14 +344,18 @@ struct FastDirection {
     return div_fast(div_fast(m, h.bc1, y1), d, div_rcp(d));
   }
 };
+static_assert(FastDirection::kMLo == ((127u - 60u) << 23) && FastDirection::kMHi == ((127u + 40u) << 23) &&
+                  FastDirection::kVLo == ((127u - 100u) << 23) &&
+                  FastDirection::kVHi == ((127u + 60u) << 23),
+              "the range bits are powers of two");
 
 // ---- int8 tables in shared memory --------------------------------------------------------------
 
 struct Int8Smem {
-  uint32_t words_m[2 * codec::kSearchWords];  // the signed map's search, sides 0 and 1
-  uint32_t words_v[codec::kSearchWords];      // the unsigned map's, side 0
   float map_m[256];
   float map_v[256];
+  uint32_t words_m[codec::kSignedWords];    // the signed map's search (state_codec.h)
+  uint32_t words_v[codec::kUnsignedWords];  // the unsigned map's
 
   __device__ void build() {
     const int t = threadIdx.x;
@@ -195,27 +365,40 @@ struct Int8Smem {
       map_v[i] = codec::float_of(kUnsignedMapBits[i]);
     }
     __syncthreads();
-    constexpr int W = codec::kSearchWords;
-    for (int i = t; i < 3 * W; i += n) {
-      if (i < 2 * W) {
-        const int side = i / W;
-        words_m[i] = codec::search_word(map_m, 127, side, side ? 127 : 128, i - side * W);
+    for (int i = t; i < codec::kSignedWords + codec::kUnsignedWords; i += n) {
+      if (i < codec::kSignedWords) {
+        words_m[i] = codec::search_word(map_m, 127, true, i);
       } else {
-        words_v[i - 2 * W] = codec::search_word(map_v, 0, 0, 255, i - 2 * W);
+        words_v[i - codec::kSignedWords] =
+            codec::search_word(map_v, 0, false, i - codec::kSignedWords);
       }
     }
     __syncthreads();
   }
 };
-static_assert(sizeof(Int8Smem) <= 48 * 1024, "int8 tables: within the default shared memory limit");
+
+constexpr size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// The kernel's dynamic shared memory (the int8 tables first, at a constant address: their
+// lookups take it as an immediate).
+extern __shared__ __align__(128) unsigned char g_smem[];
 
 // ---- the op -------------------------------------------------------------------------------------
 
-// A warp's block: its launch entry (tensor), first element, and elements (0: none).
+// A superblock of a warp: its launch entry (tensor), first element, elements (0: none; up to
+// kBlocks * 256), and whether its arrays come by bulk copy into the stage.
 struct Item {
   int local;
-  int64_t start;
+  int64_t blk;  // its first block in the tensor (element blk * 256)
   int count;
+  bool bulk;
+};
+
+// One block of a superblock.
+struct Part {
+  int local;
+  int64_t blk;  // the block in the tensor (element blk * 256)
+  int count;    // 0 to 256
 };
 
 template <typename Ty, typename Fmt, typename Cfg>
@@ -230,18 +413,39 @@ struct BlockwiseAdam : cuda::OpBase {
   static constexpr int kG = 0, kP = 1, kR = 2, kM = kRem ? kR + 1 : kR, kV = kM + 1, kMs = kV + 1,
                        kVs = kMs + 1, kDepth = kVs + 1;
   static constexpr int kWarps = Cfg::kThreads / 32;
-  static constexpr size_t kSmemBytes = kInt8 ? sizeof(Tables) : 0;
+  static constexpr int kK = Cfg::kBlocks;
+  static constexpr int kStages = Cfg::kStages;
+  static_assert(kBlocksPerChunk % kK == 0, "superblocks must not straddle chunks (tensors)");
+  static constexpr int kSuper = kK * kBlock;  // elements per superblock
+  // A stage: the superblock's arrays one after another (each kSuper elements, a multiple of 256
+  // bytes), then its scales (kK of m, kK of v).
+  static constexpr int kOffG = 0;
+  static constexpr int kOffP = kOffG + kSuper * static_cast<int>(sizeof(G));
+  static constexpr int kOffR = kOffP + kSuper * static_cast<int>(sizeof(P));
+  static constexpr int kOffM = kOffR + (kRem ? kSuper * 2 : 0);
+  static constexpr int kOffV = kOffM + kSuper * static_cast<int>(sizeof(C));
+  static constexpr int kArrayBytes = kOffV + kSuper * static_cast<int>(sizeof(C));
+  static constexpr int kOffMs = kArrayBytes;
+  static constexpr int kOffVs = kOffMs + 4 * kK;
+  static constexpr int kStageBytes = kArrayBytes + 128;  // (the scales, padded)
+  static_assert(8 * kK <= 128, "the scales fit the stage's padding");
+  // Shared memory: the int8 tables, the stages, their barriers.
+  static constexpr size_t kTablesBytes = kInt8 ? round_up(sizeof(Tables), 128) : 0;
+  static constexpr size_t kStagesOff = kTablesBytes;
+  static constexpr size_t kBarsOff =
+      kStagesOff + size_t{kWarps} * kStages * static_cast<size_t>(kStageBytes);
+  static constexpr size_t kSmemBytes = kBarsOff + size_t{kWarps} * kStages * 8;
   using Meta = cuda::ChunkMeta<kDepth>;
   adam::Hyper<float> h;  // host values; the device scalars replace them per thread block
   BiasCorrection bias;
 
-  // The loaded operands of one lane.
+  // The loaded operands of one lane, as packed words.
   struct Raw {
-    G g[kPerLane];
-    P p[kPerLane];
-    int16_t r[kPerLane];
-    C m[kPerLane];
-    C v[kPerLane];
+    uint32_t g[kWords<G>];
+    uint32_t p[kWords<P>];
+    uint32_t r[kRem ? kWords<int16_t> : 1];
+    uint32_t m[kWords<C>];
+    uint32_t v[kWords<C>];
     float ms, vs;
   };
 
@@ -250,26 +454,55 @@ struct BlockwiseAdam : cuda::OpBase {
     adam::Hyper<float> h;
     float gs;
     FastDirection fast;
-    const Tables* tables;
     int lane;
   };
 
-  template <typename T>
-  static __device__ __forceinline__ T* slot(const Meta& meta, int s, const Item& it) {
-    return static_cast<T*>(meta.addresses[s][it.local]) + it.start;
+  static __device__ __forceinline__ const Tables& tables() {
+    return *reinterpret_cast<const Tables*>(g_smem);
   }
 
-  static __device__ __forceinline__ Item locate(const Meta& meta, int64_t i, int64_t total) {
-    Item it{0, 0, 0};
-    if (i >= total) return it;
-    const int b = static_cast<int>(i / kBlocksPerChunk);
-    it.local = cuda::find_entry(meta, b);
-    it.start = cuda::chunk_of(meta, it.local, b) * cuda::kChunkSize +
-               static_cast<int64_t>(i % kBlocksPerChunk) * kBlock;
-    const int64_t left = meta.numel[it.local] - it.start;
-    it.count = left <= 0 ? 0 : static_cast<int>(left < kBlock ? left : kBlock);
-    return it;
+  template <typename T, typename I>
+  static __device__ __forceinline__ T* slot(const Meta& meta, int s, const I& it) {
+    return static_cast<T*>(meta.addresses[s][it.local]) + it.blk * kBlock;
   }
+
+  // A warp's walk over the launch's superblocks: sb, sb + step, ... below end (warp-uniform).
+  // The launch's blocks run tensor by tensor: entry t holds blocks [first[t], block_end[t] * 256)
+  // and its block b is element (b - first[t] + skip[t]) * 256 of the tensor, skip[t] the blocks of
+  // a tensor continued from a previous launch (entry 0 only).
+  struct Cursor {
+    int64_t sb, end, step;
+    int local;
+    int64_t entry_end;  // superblocks below the end of entry `local`
+    int64_t offset;     // first[local] - skip[local], in blocks
+    bool aligned;       // bulk_aligned(local)
+
+    __device__ __forceinline__ void enter(const Meta& meta) {
+      for (;;) {
+        entry_end = static_cast<int64_t>(meta.block_end[local]) * (kBlocksPerChunk / kK);
+        if (sb < entry_end || local + 1 >= meta.tensors) break;
+        ++local;
+      }
+      offset = local == 0 ? -meta.first_chunk * kBlocksPerChunk
+                          : static_cast<int64_t>(meta.block_end[local - 1]) * kBlocksPerChunk;
+      aligned = bulk_aligned(meta, local);
+    }
+
+    __device__ __forceinline__ Item item(const Meta& meta) const {
+      Item it{local, 0, 0, false};
+      if (sb >= end) return it;
+      it.blk = sb * kK - offset;
+      const int64_t left = meta.numel[local] - it.blk * kBlock;
+      it.count = left <= 0 ? 0 : static_cast<int>(left < kSuper ? left : kSuper);
+      it.bulk = aligned && it.count == kSuper;
+      return it;
+    }
+
+    __device__ __forceinline__ void next(const Meta& meta) {
+      sb += step;
+      if (sb >= entry_end && sb < end) enter(meta);
+    }
+  };
 
   static __device__ __forceinline__ bool aligned(const Meta& meta, int local) {
     return aligned8<G>(meta.addresses[kG][local]) && aligned8<P>(meta.addresses[kP][local]) &&
@@ -277,163 +510,416 @@ struct BlockwiseAdam : cuda::OpBase {
            aligned8<C>(meta.addresses[kM][local]) && aligned8<C>(meta.addresses[kV][local]);
   }
 
-  static __device__ __forceinline__ void load(const Meta& meta, const Item& it, int lane, Raw& x) {
-    if (it.count == 0) return;
+  // Whether a tensor's whole superblocks can come by bulk and 4k-byte copies: every array
+  // 16-byte aligned (a superblock starts a multiple of 256 bytes into each) and the scales
+  // 4 * kK-byte aligned (a superblock's first block is a multiple of kK).
+  static __device__ __forceinline__ bool bulk_aligned(const Meta& meta, int local) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(meta.addresses[kG][local]) |
+                        reinterpret_cast<uintptr_t>(meta.addresses[kP][local]) |
+                        (kRem ? reinterpret_cast<uintptr_t>(meta.addresses[kR][local]) : 0) |
+                        reinterpret_cast<uintptr_t>(meta.addresses[kM][local]) |
+                        reinterpret_cast<uintptr_t>(meta.addresses[kV][local]);
+    const uintptr_t s = reinterpret_cast<uintptr_t>(meta.addresses[kMs][local]) |
+                        reinterpret_cast<uintptr_t>(meta.addresses[kVs][local]);
+    return a % 16 == 0 && s % (4 * kK) == 0;
+  }
+
+  // Fills a stage with superblock `it` (lane 0; every operand is warp-uniform): its scales by
+  // cp.async and, for a bulk superblock, its arrays by bulk copies. Every call completes one phase
+  // of the stage's barrier: 2 arrivals (lane 0's and its cp.async copies') and the bulk bytes.
+  static __device__ __forceinline__ void produce(const Meta& meta, const Item& it,
+                                                 unsigned char* stage, uint32_t bar, int lane) {
+    if (lane != 0) return;
+    if (it.count == 0) {
+      mbar_arrive(bar, 2);
+      return;
+    }
+    const uint32_t s = smem_addr(stage);
+    const float* ms = static_cast<const float*>(meta.addresses[kMs][it.local]) + it.blk;
+    const float* vs = static_cast<const float*>(meta.addresses[kVs][it.local]) + it.blk;
+    if (it.bulk) {
+      copy_small<4 * kK>(s + kOffMs, ms);
+      copy_small<4 * kK>(s + kOffVs, vs);
+      copies_arrive(bar);
+      mbar_arrive_expect_tx(bar, kArrayBytes);
+      bulk_copy(s + kOffG, slot<const G>(meta, kG, it), kSuper * sizeof(G), bar);
+      bulk_copy(s + kOffP, slot<const P>(meta, kP, it), kSuper * sizeof(P), bar);
+      if constexpr (kRem) bulk_copy(s + kOffR, slot<const int16_t>(meta, kR, it), kSuper * 2, bar);
+      bulk_copy(s + kOffM, slot<const C>(meta, kM, it), kSuper * sizeof(C), bar);
+      bulk_copy(s + kOffV, slot<const C>(meta, kV, it), kSuper * sizeof(C), bar);
+    } else {  // the scales of its blocks that hold elements, one at a time
+      for (int k = 0; k * kBlock < it.count; ++k) {
+        copy_small<4>(s + kOffMs + 4 * k, ms + k);
+        copy_small<4>(s + kOffVs + 4 * k, vs + k);
+      }
+      copies_arrive(bar);
+      mbar_arrive(bar, 1);
+    }
+  }
+
+  // Block k of a stage, a lane's 8 elements.
+  static __device__ __forceinline__ void load_stage(const unsigned char* stage, int k, int lane,
+                                                    Raw& x) {
+    const int e = k * kBlock + lane * kPerLane;
+    load_words(stage + kOffG + e * sizeof(G), x.g);
+    load_words(stage + kOffP + e * sizeof(P), x.p);
+    if constexpr (kRem) load_words(stage + kOffR + e * 2, x.r);
+    load_words(stage + kOffM + e * sizeof(C), x.m);
+    load_words(stage + kOffV + e * sizeof(C), x.v);
+  }
+
+  // A partial or unaligned block: guarded element or 8-byte accesses from global memory.
+  static __device__ __forceinline__ void load_global(const Meta& meta, const Part& it, int lane,
+                                                  Raw& x) {
     const int first = lane * kPerLane;
     const int n = min(max(it.count - first, 0), kPerLane);
     const bool vec = n == kPerLane && aligned(meta, it.local);
-    load_lane(slot<const G>(meta, kG, it) + first, x.g, n, vec);
-    load_lane(slot<const P>(meta, kP, it) + first, x.p, n, vec);
-    if constexpr (kRem) load_lane(slot<const int16_t>(meta, kR, it) + first, x.r, n, vec);
-    load_lane(slot<const C>(meta, kM, it) + first, x.m, n, vec);
-    load_lane(slot<const C>(meta, kV, it) + first, x.v, n, vec);
-    x.ms = *(static_cast<const float*>(meta.addresses[kMs][it.local]) + it.start / kBlock);
-    x.vs = *(static_cast<const float*>(meta.addresses[kVs][it.local]) + it.start / kBlock);
+    G g[kPerLane];
+    P p[kPerLane];
+    C m[kPerLane];
+    C v[kPerLane];
+    load_lane(slot<const G>(meta, kG, it) + first, g, n, vec);
+    load_lane(slot<const P>(meta, kP, it) + first, p, n, vec);
+    if constexpr (kRem) {
+      int16_t r[kPerLane];
+      load_lane(slot<const int16_t>(meta, kR, it) + first, r, n, vec);
+      to_words(r, x.r);
+    }
+    load_lane(slot<const C>(meta, kM, it) + first, m, n, vec);
+    load_lane(slot<const C>(meta, kV, it) + first, v, n, vec);
+    to_words(g, x.g);
+    to_words(p, x.p);
+    to_words(m, x.m);
+    to_words(v, x.v);
   }
 
-  __device__ __forceinline__ float decode(C c, float s, bool is_signed, const Ctx& ctx) const {
-    if constexpr (kInt8) {
-      return (is_signed ? ctx.tables->map_m[c] : ctx.tables->map_v[c]) * s;
+  template <typename T, int N>
+  static __device__ __forceinline__ void store(const Meta& meta, int s, const Part& it, int first,
+                                               const uint32_t (&w)[N], int n, bool whole,
+                                               bool vec) {
+    T* p = slot<T>(meta, s, it) + first;
+    if (whole) {
+      store_words(p, w);
     } else {
-      return static_cast<float>(c) * s;
+      T v[kPerLane];
+      from_words(w, v);
+      store_lane(p, v, n, vec);
     }
   }
 
-  __device__ __forceinline__ void process(const Meta& meta, const Item& it, Raw& x,
-                                          const Ctx& ctx) const {
-    if (it.count == 0) return;
+  __device__ __forceinline__ float decode(const uint32_t (&w)[kWords<C>], int e, float s,
+                                          bool is_signed, const Ctx& ctx) const {
+    if constexpr (kInt8) {
+      const uint32_t c = word_byte(w, e);
+      return (is_signed ? tables().map_m[c] : tables().map_v[c]) * s;
+    } else {
+      return word_float<C>(w, e) * s;
+    }
+  }
+
+  // The fp32 master of element e.
+  static __device__ __forceinline__ float master_of(const Raw& x, int e) {
+    if constexpr (kRem) {  // join_master: (hi << 16) + the sign-extended lo
+      const uint32_t hi = e % 2 ? x.p[e / 2] & 0xFFFF0000u : x.p[e / 2] << 16;
+      const int32_t lo = e % 2 ? static_cast<int32_t>(x.r[e / 2]) >> 16
+                               : static_cast<int32_t>(x.r[e / 2] << 16) >> 16;
+      return __uint_as_float(hi + static_cast<uint32_t>(lo));
+    } else {
+      return word_float<P>(x.p, e);
+    }
+  }
+
+  // The stored master of 8 elements: P words, and (with a remainder) the remainder words.
+  static __device__ __forceinline__ void master_words(const float (&master)[kPerLane],
+                                                      uint32_t (&pw)[kWords<P>],
+                                                      uint32_t (&rw)[kRem ? 4 : 1]) {
+    if constexpr (kRem) {
+      // split_master two at a time: hi = (u + 0x8000) >> 16, lo = u & 0xFFFF; a NaN (rare)
+      // takes split_master itself.
+      bool nan = false;
+#pragma unroll
+      for (int e = 0; e < kPerLane; e += 2) {
+        const uint32_t u0 = __float_as_uint(master[e]);
+        const uint32_t u1 = __float_as_uint(master[e + 1]);
+        pw[e / 2] = __byte_perm(u0 + 0x8000u, u1 + 0x8000u, 0x7632);
+        rw[e / 2] = __byte_perm(u0, u1, 0x5410);
+        nan = nan || isnan(master[e]) || isnan(master[e + 1]);
+      }
+      if (nan) {
+        uint16_t hi[kPerLane];
+        int16_t lo[kPerLane];
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) codec::split_master(master[e], hi[e], lo[e]);
+        to_words(hi, pw);
+        to_words(lo, rw);
+      }
+    } else if constexpr (std::is_same_v<P, float>) {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) pw[e] = __float_as_uint(master[e]);
+    } else {
+      P c[kPerLane];
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) c[e] = static_cast<P>(master[e]);
+      to_words(c, pw);
+    }
+  }
+
+  // int8: the code (low byte) of xn from a map's search table (state_codec.h).
+  static __device__ __forceinline__ uint32_t int8_code(float xn, const uint32_t* words,
+                                                       bool is_signed) {
+    const uint32_t x = is_signed ? codec::search_bits(xn) : __float_as_uint(xn);
+    const uint32_t w =
+        words[codec::search_index(x, is_signed ? codec::kSignedWords : codec::kUnsignedWords)];
+    // search_code's w + ((x << 16) > w) as the borrow of a 64-bit difference: a shift-and-subtract
+    // with carry out and two integer multiply-adds
+    const uint64_t d = static_cast<uint64_t>(w) - static_cast<uint64_t>(x << 16);
+    return w - static_cast<uint32_t>(d >> 32);
+  }
+
+  static __device__ __forceinline__ uint32_t pack_bytes(uint32_t a, uint32_t b, uint32_t c,
+                                                        uint32_t d) {
+    return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+  }
+
+  // The codes of 8 values with their block's scale.
+  template <bool kSigned>
+  __device__ __forceinline__ void encode(const float (&x)[kPerLane], const codec::Scale& sc,
+                                         uint32_t (&w)[kWords<C>], const Ctx& ctx) const {
+    if constexpr (kInt8) {
+      if (sc.finite) {
+        const uint32_t* words = kSigned ? tables().words_m : tables().words_v;
+        uint32_t c[kPerLane];
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) c[e] = int8_code(x[e] * sc.inv, words, kSigned);
+        w[0] = pack_bytes(c[0], c[1], c[2], c[3]);
+        w[1] = pack_bytes(c[4], c[5], c[6], c[7]);
+      } else {  // a block holding inf or NaN: every code the zero code (a warp-uniform branch)
+        w[0] = w[1] = kSigned ? 0x7F7F7F7Fu : 0u;
+      }
+    } else {
+      // fp16 codes two at a time (cvt.rn.f16x2.f32: two cvt.rn.f16.f32, as c10::Half's).
+#pragma unroll
+      for (int e = 0; e < kPerLane; e += 2) {
+        const __half2 h2 = __floats2half2_rn(x[e] * sc.inv, x[e + 1] * sc.inv);
+        memcpy(&w[e / 2], &h2, 4);
+      }
+    }
+  }
+
+  // N blocks from x, together (their elements interleave: more independent work per lane).
+  // kFull: whole blocks whose arrays are 16-byte aligned (every lane holds 8 elements of each
+  // and stores them as vectors); else one block (N = 1), partial or unaligned.
+  template <int N, bool kFull>
+  __device__ __forceinline__ void process(const Meta& meta, const Part (&parts)[N],
+                                          const Raw (&x)[N], const Ctx& ctx) const {
+    static_assert(kFull || N == 1, "partial blocks one at a time");
     const int first = ctx.lane * kPerLane;
-    const int n = min(max(it.count - first, 0), kPerLane);
-    const bool vec = n == kPerLane && aligned(meta, it.local);
+    const int n = kFull ? kPerLane : min(max(parts[0].count - first, 0), kPerLane);
+    const bool whole = kFull || n == kPerLane;
+    const bool vec = kFull || (n == kPerLane && aligned(meta, parts[0].local));
     const adam::Hyper<float>& hl = ctx.h;
-    float master[kPerLane];
-    float mf[kPerLane];
-    float vf[kPerLane];
-    bool fast = ctx.fast.ok;
+    float master[N][kPerLane];
+    float mf[N][kPerLane];
+    float vf[N][kPerLane];
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) {
-      if constexpr (kRem) {
-        master[e] = codec::join_master(x.p[e], x.r[e]);
-      } else {
-        master[e] = static_cast<float>(x.p[e]);
-      }
-      mf[e] = decode(x.m[e], x.ms, true, ctx);
-      vf[e] = decode(x.v[e], x.vs, false, ctx);
-      adam::moments<float>(master[e], static_cast<float>(x.g[e]) * ctx.gs, mf[e], vf[e], hl);
-      fast = fast && FastDirection::operands(mf[e], vf[e]);
-    }
-    float u[kPerLane];
-    if (fast) {
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e) u[e] = ctx.fast(mf[e], vf[e], hl);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e) u[e] = adam::direction<float>(mf[e], vf[e], hl);
-    }
-#pragma unroll
-    for (int e = 0; e < kPerLane; ++e) {
-      adam::apply_step<float>(master[e], u[e], hl);
-      if constexpr (kRem) {
-        codec::split_master(master[e], x.p[e], x.r[e]);
-      } else {
-        x.p[e] = static_cast<P>(master[e]);
-      }
-    }
-    store_lane(slot<P>(meta, kP, it) + first, x.p, n, vec);  // early: frees registers
-    if constexpr (kRem) store_lane(slot<int16_t>(meta, kR, it) + first, x.r, n, vec);
-    uint32_t m_amax = 0;
-    uint32_t v_amax = 0;
-    if (n == kPerLane) {
+    for (int k = 0; k < N; ++k) {
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
-        m_amax = max(m_amax, codec::abs_bits(mf[e]));
-        v_amax = max(v_amax, codec::abs_bits(vf[e]));
+        master[k][e] = master_of(x[k], e);
+        mf[k][e] = decode(x[k].m, e, x[k].ms, true, ctx);
+        vf[k][e] = decode(x[k].v, e, x[k].vs, false, ctx);
+        adam::moments<float>(master[k][e], word_float<G>(x[k].g, e) * ctx.gs, mf[k][e], vf[k][e],
+                             hl);
       }
-    } else {
+    }
+    // Per block, the lane's max of |m| and of v as bits (the block amax); over all, their mins
+    // and maxes (the range check).
+    uint32_t m_hi[N], v_hi[N];
+    uint32_t m_lo = 0xFFFFFFFFu, v_lo = 0xFFFFFFFFu, m_top = 0, v_top = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      m_hi[k] = 0;
+      v_hi[k] = 0;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
-        if (e < n) {
-          m_amax = max(m_amax, codec::abs_bits(mf[e]));
-          v_amax = max(v_amax, codec::abs_bits(vf[e]));
+        if (kFull || e < n) {
+          const uint32_t a = codec::abs_bits(mf[k][e]);
+          const uint32_t b = codec::bits_of(vf[k][e]);
+          m_lo = min(m_lo, a);
+          m_hi[k] = max(m_hi[k], a);
+          v_lo = min(v_lo, b);
+          v_hi[k] = max(v_hi[k], b);
         }
       }
+      m_top = max(m_top, m_hi[k]);
+      v_top = max(v_top, v_hi[k]);
     }
-    const codec::Scale mc = Fmt::scale(warp_max(m_amax));
-    const codec::Scale vc = Fmt::scale(warp_max(v_amax));
-    if constexpr (kInt8) {
-      // A block holding inf or NaN: every code the zero code (a warp-uniform branch).
-      if (mc.finite) {
+    float u[N][kPerLane];
+    if (ctx.fast.ok && FastDirection::operands(m_lo, m_top, v_lo, v_top)) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) u[k][e] = ctx.fast(mf[k][e], vf[k][e], hl);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) u[k][e] = adam::direction<float>(mf[k][e], vf[k][e], hl);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) adam::apply_step<float>(master[k][e], u[k][e], hl);
+      uint32_t pw[kWords<P>];
+      uint32_t rw[kRem ? 4 : 1];
+      master_words(master[k], pw, rw);
+      store<P>(meta, kP, parts[k], first, pw, n, whole && vec, vec);
+      if constexpr (kRem) store<int16_t>(meta, kR, parts[k], first, rw, n, whole && vec, vec);
+    }
+    uint32_t m_amax[N], v_amax[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      m_amax[k] = warp_max(m_hi[k]);
+      v_amax[k] = warp_max(v_hi[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      if (v_amax[k] > codec::kAbsMask) {  // a v with its sign bit set: the amax of |v| (uniform)
+        uint32_t a = 0;
 #pragma unroll
         for (int e = 0; e < kPerLane; ++e) {
-          x.m[e] = codec::int8_code_search(mf[e] * mc.inv, ctx.tables->words_m, true);
+          if (kFull || e < n) a = max(a, codec::abs_bits(vf[k][e]));
         }
-      } else {
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) x.m[e] = 127;
-      }
-      if (vc.finite) {
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) {
-          x.v[e] = codec::int8_code_search(vf[e] * vc.inv, ctx.tables->words_v, false);
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) x.v[e] = 0;
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e) {
-        x.m[e] = Fmt::encode(mf[e], mc, nullptr);
-        x.v[e] = Fmt::encode(vf[e], vc, nullptr);
+        v_amax[k] = warp_max(a);
       }
     }
-    store_lane(slot<C>(meta, kM, it) + first, x.m, n, vec);
-    store_lane(slot<C>(meta, kV, it) + first, x.v, n, vec);
-    if (ctx.lane == 0) {
-      static_cast<float*>(meta.addresses[kMs][it.local])[it.start / kBlock] = mc.scale;
-      static_cast<float*>(meta.addresses[kVs][it.local])[it.start / kBlock] = vc.scale;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const codec::Scale mc = Fmt::scale(m_amax[k]);
+      const codec::Scale vc = Fmt::scale(v_amax[k]);
+      uint32_t mw[kWords<C>];
+      uint32_t vw[kWords<C>];
+      encode<true>(mf[k], mc, mw, ctx);
+      encode<false>(vf[k], vc, vw, ctx);
+      store<C>(meta, kM, parts[k], first, mw, n, whole && vec, vec);
+      store<C>(meta, kV, parts[k], first, vw, n, whole && vec, vec);
+      if (ctx.lane == 0) {
+        static_cast<float*>(meta.addresses[kMs][parts[k].local])[parts[k].blk] = mc.scale;
+        static_cast<float*>(meta.addresses[kVs][parts[k].local])[parts[k].blk] = vc.scale;
+      }
     }
   }
 
+  // The launch's superblocks, dealt as Config says.
   __device__ __forceinline__ void run(const Meta& meta, unsigned char* smem) const {
     if (skip()) return;
-    const Tables* tables = nullptr;
-    if constexpr (kInt8) {
-      Tables* t = reinterpret_cast<Tables*>(smem);
-      t->build();
-      tables = t;
+    // The warp index through a shuffle: warp-uniform for the compiler, so that the cursor, the
+    // pointers and the copies' operands stay in uniform registers.
+    const int warp = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x / 32), 0);
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    unsigned char* stages = smem + kStagesOff + static_cast<size_t>(warp) * kStages * kStageBytes;
+    const uint32_t bars = smem_addr(smem + kBarsOff) + static_cast<uint32_t>(warp * kStages * 8);
+    const int64_t supers =
+        static_cast<int64_t>(meta.block_end[meta.tensors - 1]) * (kBlocksPerChunk / kK);
+    Cursor cur;
+    if constexpr (Cfg::kInterleave) {
+      cur.sb = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+      cur.end = supers;
+      cur.step = static_cast<int64_t>(gridDim.x) * kWarps;
+    } else {
+      const int64_t per_cta = (supers + gridDim.x - 1) / gridDim.x;
+      cur.sb = static_cast<int64_t>(blockIdx.x) * per_cta + warp;
+      cur.end = min(supers, static_cast<int64_t>(blockIdx.x + 1) * per_cta);
+      cur.step = kWarps;
     }
+    cur.local = 0;
+    cur.enter(meta);
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) mbar_init(bars + 8 * s, 2);
+      fence_mbar_init();
+    }
+    __syncwarp();
+    // items[q]: the warp's superblock q turns ahead (its stage filled or being filled).
+    Item items[kStages];
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      items[s] = cur.item(meta);
+      if (cur.sb < cur.end) produce(meta, items[s], stages + s * kStageBytes, bars + 8 * s, lane);
+      cur.next(meta);
+    }
+    if constexpr (kInt8) reinterpret_cast<Tables*>(smem)->build();  // while the first copies fly
     adam::Hyper<float> hl = h;
     device_lr(hl);
     device_step(hl, bias);
     const Ctx ctx{hl, static_cast<float>(cuda::value_or(grad_scale_t, 1.0)), FastDirection(hl),
-                  tables, static_cast<int>(threadIdx.x % 32)};
-    const int64_t total = static_cast<int64_t>(meta.block_end[meta.tensors - 1]) * kBlocksPerChunk;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
-    int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-    for (; i < total; i += stride) {
-      const Item it = locate(meta, i, total);
-      Raw x;
-      load(meta, it, ctx.lane, x);
-      process(meta, it, x, ctx);
+                  lane};
+    int s = 0;
+    uint32_t parity = 0;
+    for (int64_t sb = cur.sb - kStages * cur.step; sb < cur.end; sb += cur.step) {
+      const Item it = items[0];
+#pragma unroll
+      for (int q = 0; q + 1 < kStages; ++q) items[q] = items[q + 1];
+      items[kStages - 1] = cur.item(meta);
+      unsigned char* stage = stages + s * kStageBytes;
+      mbar_wait(bars + 8 * s, parity);
+      Raw x[kK];
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        const Part part{it.local, it.blk + k, min(max(it.count - k * kBlock, 0), kBlock)};
+        if (it.bulk) {
+          load_stage(stage, k, lane, x[k]);
+        } else if (part.count > 0) {
+          load_global(meta, part, lane, x[k]);
+        }
+        x[k].ms = reinterpret_cast<const float*>(stage + kOffMs)[k];
+        x[k].vs = reinterpret_cast<const float*>(stage + kOffVs)[k];
+      }
+      __syncwarp();  // the stage is in registers: refill it
+      if (cur.sb < cur.end) {
+        produce(meta, items[kStages - 1], stage, bars + 8 * s, lane);
+      }
+      cur.next(meta);
+      if (it.bulk) {
+        Part parts[kK];
+#pragma unroll
+        for (int k = 0; k < kK; ++k) parts[k] = Part{it.local, it.blk + k, kBlock};
+        process<kK, true>(meta, parts, x, ctx);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kK; ++k) {
+          const Part part[1] = {{it.local, it.blk + k, min(max(it.count - k * kBlock, 0), kBlock)}};
+          const Raw xk[1] = {x[k]};
+          if (part[0].count > 0) process<1, false>(meta, part, xk, ctx);
+        }
+      }
+      if (++s == kStages) {
+        s = 0;
+        parity ^= 1;
+      }
     }
   }
 };
 
 template <typename Op, typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas)
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
     blockwise_kernel(const __grid_constant__ typename Op::Meta meta, const Op op) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  op.run(meta, smem);
+  op.run(meta, g_smem);
 }
 
-// Thread blocks per SM that fit (occupancy), per device, computed at the first launch.
+// Thread blocks per SM that fit (occupancy), per device, computed at the first launch (which also
+// lifts the kernel's dynamic shared memory limit).
 template <typename Op, typename Cfg>
 int ctas_per_sm(int device) {
   static std::array<std::atomic<int>, 64> cache{};
   if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
   int n = cache[device].load(std::memory_order_relaxed);
   if (n > 0) return n;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(blockwise_kernel<Op, Cfg>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(Op::kSmemBytes)));
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, blockwise_kernel<Op, Cfg>,
                                                                Cfg::kThreads, Op::kSmemBytes));
   TORCH_CHECK(n > 0, "adam_blockwise: the kernel does not fit on this GPU");
@@ -483,35 +969,35 @@ void adam_blockwise_cuda_impl(const TensorLists& lists, double lr, double beta1,
   if (int8) check_search_maps();
   std::vector<int64_t> order(slots[0].size());
   std::iota(order.begin(), order.end(), int64_t{0});
-  dispatch_master(
-      lists[kGrad][0].scalar_type(), lists[kParam][0].scalar_type(), remainder, "adam_blockwise",
-      [&](auto types) {
-        using Ty = decltype(types);
-        auto launch = [&](auto format) {
-          using Op = BlockwiseAdam<Ty, decltype(format), Cfg>;
-          static_assert(sizeof(typename Op::Meta) + sizeof(Op) + alignof(Op) <= cuda::kParamBytes,
-                        "kernel arguments (ChunkMeta + op) exceed the kernel parameter limit");
-          Op op;
-          op.set_scalars(device, "adam_blockwise", lr_t, step_t, grad_scale_t, found_inf_t);
-          op.h = adam::make_hyper<float>(lr, beta1, beta2, eps, static_cast<double>(step),
-                                         adam_w_mode, bias_correction, weight_decay);
-          op.bias = {beta1, beta2, bias_correction};
-          const int index = device.index();
-          const int64_t resident = int64_t{sm_count(index)} * ctas_per_sm<Op, Cfg>(index);
-          cuda::for_each_launch<Op::kDepth>(
-              slots, order, 0,
-              [&](const typename Op::Meta& meta, int64_t chunks, cudaStream_t stream) {
-                const int64_t blocks = chunks * kBlocksPerChunk;
-                const int64_t ctas =
-                    std::min(resident, (blocks + Op::kWarps - 1) / Op::kWarps);
-                blockwise_kernel<Op, Cfg><<<static_cast<unsigned>(ctas), Cfg::kThreads,
-                                            Op::kSmemBytes, stream>>>(meta, op);
-                C10_CUDA_KERNEL_LAUNCH_CHECK();
-              });
-        };
-        if (int8) return launch(adam_blockwise::Int8{});
-        launch(adam_blockwise::ScaledFp16{});
-      });
+  auto run_types = [&](auto types, auto config) {
+    using Ty = decltype(types);
+    using C = decltype(config);
+    auto launch = [&](auto format) {
+      using Op = BlockwiseAdam<Ty, decltype(format), C>;
+      static_assert(sizeof(typename Op::Meta) + sizeof(Op) + alignof(Op) <= cuda::kParamBytes,
+                    "kernel arguments (ChunkMeta + op) exceed the kernel parameter limit");
+      static_assert(Op::kSmemBytes <= 227 * 1024, "shared memory: within an H100/H200's SM");
+      Op op;
+      op.set_scalars(device, "adam_blockwise", lr_t, step_t, grad_scale_t, found_inf_t);
+      op.h = adam::make_hyper<float>(lr, beta1, beta2, eps, static_cast<double>(step), adam_w_mode,
+                                     bias_correction, weight_decay);
+      op.bias = {beta1, beta2, bias_correction};
+      const int index = device.index();
+      const int64_t resident = int64_t{sm_count(index)} * ctas_per_sm<Op, C>(index);
+      cuda::for_each_launch<Op::kDepth>(
+          slots, order, 0, [&](const typename Op::Meta& meta, int64_t chunks, cudaStream_t stream) {
+            const int64_t supers = chunks * (kBlocksPerChunk / C::kBlocks);
+            const int64_t ctas = std::min(resident, (supers + Op::kWarps - 1) / Op::kWarps);
+            blockwise_kernel<Op, C>
+                <<<static_cast<unsigned>(ctas), C::kThreads, Op::kSmemBytes, stream>>>(meta, op);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+    };
+    if (int8) return launch(adam_blockwise::Int8{});
+    launch(adam_blockwise::ScaledFp16{});
+  };
+  dispatch_master(lists[kGrad][0].scalar_type(), lists[kParam][0].scalar_type(), remainder,
+                  "adam_blockwise", [&](auto types) { run_types(types, Cfg{}); });
 }
 
 }  // namespace

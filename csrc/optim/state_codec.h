@@ -240,42 +240,61 @@ SHARDOPT_HD uint8_t int8_code(float xn, const Int8Tables& t) {
 //
 // Buckets of |xn| by its exponent and 7 mantissa bits (bits >> 16) from 2^-24 up to 2 hold at most
 // one entry of a side in both maps (search_check; tests/test_state_codec_kernels.py checks too), so
-// the count of the side's entries below |xn| is the count below the bucket plus one comparison with
-// the bucket's entry, if any, on the low 16 bits. A bucket's word carries both possible codes:
-// word = thr << 16 | hi << 8 | lo, code = (bits(xn) & 0xFFFF) > thr ? hi : lo, with thr the low
-// bits of the entry (0xFFFF without one: never above). Word kSearchBuckets of a side is the
-// sentinel for |xn| below 2^-24 (no entry is that small; |xn| <= 1 + 2^-23 is never 2 or more):
-// the code of zero. The words of a signed map are side 0 then side 1; the unsigned map has side 0
-// only, and a negative xn (its bits taken as they are) lands on the sentinel: code 0.
-constexpr uint32_t kSearchFirst = 0x3380u;                            // (bits >> 16) of 2^-24
+// the count of a side's entries below |xn| is the count below the bucket plus one comparison with
+// the bucket's entry, if any, on the low 16 bits. The kernel looks up x = bits(xn) with the sign
+// folded into the other bits (x = u ^ (u >> 31), arithmetic shift: a negative xn has its magnitude
+// bits inverted), so that x >> 16 runs over side 0's buckets (xn > 0) and then side 1's in reverse
+// (xn < 0) in one table of 2 * kSearchBuckets words, with the sentinel after them; the unsigned map
+// has side 0 and the sentinel. Index: min((x >> 16) - kSearchFirst, sentinel), unsigned (|xn|
+// below 2^-24 either side wraps or runs past the end: the sentinel; |xn| <= 1 + 2^-23 is never 2
+// or more in a finite block; a negative xn of the unsigned map lands on the sentinel: code 0).
+// A word is thr << 16 | base, and code = the low byte of word + ((x << 16) > word), i.e. base + 1
+// when the low 16 bits of x exceed thr (thr 0xFFFF: never): for side 0, thr is the low bits of the
+// bucket's entry and base the code below it; for side 1, where x's low bits are those of |xn|
+// inverted, "|xn|'s low bits > thr" is "x's low bits <= 0xFFFF - thr - 1", so the word holds
+// thr' = 0xFFFE - thr and the code one below (zero - below - 1), and x's low bits > thr' adds the
+// one back. An entry whose low bits are 0xFFFF is never exceeded within its bucket: no entry there.
+constexpr uint32_t kSearchFirst = 0x3380u;                                // (bits >> 16) of 2^-24
 constexpr int kSearchBuckets = static_cast<int>(0x4000u - kSearchFirst);  // |xn| in [2^-24, 2)
-constexpr int kSearchWords = kSearchBuckets + 1;                       // words per side
+constexpr int kSignedWords = 2 * kSearchBuckets + 1;    // side 0, side 1 reversed, sentinel
+constexpr int kUnsignedWords = kSearchBuckets + 1;      // side 0, sentinel
 
-// The word index in a side of |xn|'s bits (the sentinel below 2^-24 and from 2 up).
-SHARDOPT_HD uint32_t search_index(uint32_t bits) {
-  const uint32_t k = (bits - (kSearchFirst << 16)) >> 16;
-  return k < static_cast<uint32_t>(kSearchBuckets) ? k : static_cast<uint32_t>(kSearchBuckets);
+// The sign-folded bits of xn.
+SHARDOPT_HD uint32_t search_bits(float xn) {
+  const uint32_t u = bits_of(xn);
+  return u ^ static_cast<uint32_t>(static_cast<int32_t>(u) >> 31);
 }
 
-SHARDOPT_HD uint8_t search_code(uint32_t word, uint32_t bits) {
-  return static_cast<uint8_t>((bits << 16) > word ? word >> 8 : word);  // (bits & 0xFFFF) > thr
+// The word index of sign-folded bits x in a table of `words` words (the last: the sentinel).
+SHARDOPT_HD uint32_t search_index(uint32_t x, int words) {
+  const uint32_t k = (x >> 16) - kSearchFirst;
+  const uint32_t last = static_cast<uint32_t>(words - 1);
+  return k < last ? k : last;
 }
 
-// Word i of a side of a map (zero: the code of 0.0; count: the side's entries).
-SHARDOPT_HD uint32_t search_word(const float* map, int zero, int side, int count, int i) {
-  if (i >= kSearchBuckets) return 0xFFFF0000u | (static_cast<uint32_t>(zero) * 0x101u);
-  const uint32_t bucket = kSearchFirst + static_cast<uint32_t>(i);
-  int below = 0;  // entries below the bucket
+// The code from a bucket's word: its low byte, plus one if x's low 16 bits exceed its thr.
+SHARDOPT_HD uint8_t search_code(uint32_t word, uint32_t x) {
+  return static_cast<uint8_t>(word + ((x << 16) > word ? 1u : 0u));
+}
+
+// Word i of a table of a map (zero: the code of 0.0; is_signed: the signed map, two sides).
+SHARDOPT_HD uint32_t search_word(const float* map, int zero, bool is_signed, int i) {
+  const int words = is_signed ? kSignedWords : kUnsignedWords;
+  if (i >= words - 1) return 0xFFFF0000u | static_cast<uint32_t>(zero);
+  const int side = i >= kSearchBuckets ? 1 : 0;
+  const uint32_t bucket =
+      kSearchFirst + static_cast<uint32_t>(side ? 2 * kSearchBuckets - 1 - i : i);
+  const int count = side ? zero : 255 - zero;
+  int below = 0;  // the side's entries below the bucket
   for (int step = 256; step > 0; step >>= 1) {
     const int k = below + step - 1;
     if (k < count && (bits_of(side_entry(map, zero, side, k)) >> 16) < bucket) below += step;
   }
   const uint32_t e = below < count ? bits_of(side_entry(map, zero, side, below)) : 0u;
-  const bool has = below < count && (e >> 16) == bucket;
-  const int lo = side ? zero - below : zero + below;
-  const int hi = has ? (side ? lo - 1 : lo + 1) : lo;
-  return ((has ? e & 0xFFFFu : 0xFFFFu) << 16) | (static_cast<uint32_t>(hi) << 8) |
-         static_cast<uint32_t>(lo);
+  const uint32_t thr = below < count && (e >> 16) == bucket ? (e & 0xFFFFu) : 0xFFFFu;
+  if (side == 0) return (thr << 16) | static_cast<uint32_t>(zero + below);
+  if (thr == 0xFFFFu) return 0xFFFF0000u | static_cast<uint32_t>(zero - below);
+  return ((0xFFFEu - thr) << 16) | static_cast<uint32_t>(zero - below - 1);
 }
 
 // Whether the search's assumptions hold for a map: every entry of both sides at least 2^-24 and
@@ -292,12 +311,10 @@ inline bool search_check(const float* map, int zero) {
   return true;
 }
 
-// The code of xn from a map's words (the signed map: both sides; unsigned: side 0).
+// The code of xn from a map's table (the signed map: both sides; unsigned: side 0).
 SHARDOPT_HD uint8_t int8_code_search(float xn, const uint32_t* words, bool is_signed) {
-  const uint32_t u = bits_of(xn);
-  const uint32_t i = is_signed ? search_index(u & kAbsMask) + (u >> 31) * kSearchWords
-                               : search_index(u);
-  return search_code(words[i], u);
+  const uint32_t x = is_signed ? search_bits(xn) : bits_of(xn);
+  return search_code(words[search_index(x, is_signed ? kSignedWords : kUnsignedWords)], x);
 }
 
 }  // namespace codec
