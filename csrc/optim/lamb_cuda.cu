@@ -12,7 +12,7 @@
 #include "../kernels.h"
 #include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
-#include "../norm/block_reduce.cuh"
+#include "../norm/norm_op.cuh"
 #include "lamb_math.h"
 
 namespace shardopt {
@@ -149,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cuda(
             c10::CppTypeToScalarType<acc_t>::value);
         const int64_t stride = std::max<int64_t>(units, 1);
         at::Tensor partial = at::empty({2, stride}, opts);
-        at::Tensor first = at::zeros({n, 2}, opts.dtype(at::kLong));  // 0 chunks until written
+        at::Tensor first = cuda::first_table(n, device);  // 0 chunks until written
         at::Tensor sums = at::empty({2, n}, opts);
         Stage1Op<Ty> op;
         op.set_scalars(device, "lamb_stage1", std::nullopt, step_t, grad_scale_t, found_inf_t);
