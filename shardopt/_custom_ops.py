@@ -229,6 +229,8 @@ def lamb_stage1_op(
     step_t: OptTensor = None,
     grad_scale_t: OptTensor = None,
     found_inf_t: OptTensor = None,
+    grad_norm_sq_t: OptTensor = None,
+    max_grad_norm: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     w_sq, u_sq = _ops.lamb_stage1(
         _lists(grads, params, exp_avg, exp_avg_sq),
@@ -240,7 +242,13 @@ def lamb_stage1_op(
         weight_decay=weight_decay,
         grad_averaging=grad_averaging,
         adam_w_mode=adam_w_mode,
-        **_given(step_t=step_t, grad_scale_t=grad_scale_t, found_inf_t=found_inf_t),
+        max_grad_norm=max_grad_norm,
+        **_given(
+            step_t=step_t,
+            grad_scale_t=grad_scale_t,
+            found_inf_t=found_inf_t,
+            grad_norm_sq_t=grad_norm_sq_t,
+        ),
     )
     return w_sq, u_sq.clone()  # the CUDA kernel's two sums are rows of one tensor: no aliasing
 
@@ -274,6 +282,7 @@ def lamb_stage2_op(
     lr_t: OptTensor = None,
     step_t: OptTensor = None,
     found_inf_t: OptTensor = None,
+    squared: bool = False,
 ) -> None:
     _ops.lamb_stage2(
         _lists(params, exp_avg, exp_avg_sq, outs=outs),
@@ -288,6 +297,7 @@ def lamb_stage2_op(
         weight_decay=weight_decay,
         adam_w_mode=adam_w_mode,
         use_nvlamb=use_nvlamb,
+        squared=squared,
         **_given(lr_t=lr_t, step_t=step_t, found_inf_t=found_inf_t),
     )
 

@@ -274,8 +274,8 @@ def test_mixed_group_capturable_grad_scale_compiles():
 
 @pytest.mark.parametrize(
     "case",
-    ["adam", "adam_out", "sgd", "adagrad", "novograd", "lamb_stage1", "lamb_stage1_fp64",
-     "lamb_stage2", "norm", "norm_fp64_max", "scale"],
+    ["adam", "adam_out", "sgd", "adagrad", "novograd", "lamb_stage1", "lamb_stage1_clip",
+     "lamb_stage1_fp64", "lamb_stage2", "lamb_stage2_squared", "norm", "norm_fp64_max", "scale"],
 )  # fmt: skip
 def test_custom_op_contract(case):
     """``torch.library.opcheck``: each op's schema, its fake implementation (shapes, dtypes and
@@ -307,6 +307,11 @@ def test_custom_op_contract(case):
             (g, p, m, v, *hyper, True, True),
             {"grad_scale_t": one},
         ),
+        "lamb_stage1_clip": (
+            ops.lamb_stage1_op,
+            (g, p, m, v, *hyper, True, True),
+            {"grad_scale_t": one * 0.5, "grad_norm_sq_t": one * 9.0, "max_grad_norm": 1.0},
+        ),
         "lamb_stage1_fp64": (
             ops.lamb_stage1_op,
             (*slots(4, torch.float64), *hyper, True, True),
@@ -316,6 +321,11 @@ def test_custom_op_contract(case):
             ops.lamb_stage2_op,
             (p, m, v, [], torch.rand(2) + 1, torch.rand(2) + 1, 0.1, *hyper, True, False),
             {},
+        ),
+        "lamb_stage2_squared": (
+            ops.lamb_stage2_op,
+            (p, m, v, [], torch.rand(2) + 1, torch.rand(2) + 1, 0.1, *hyper, True, False),
+            {"squared": True},
         ),
         "norm": (ops.norm_op, (g, False), {}),
         "norm_fp64_max": (ops.norm_op, (slots(1, torch.float64)[0], True), {}),

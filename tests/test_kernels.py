@@ -1,5 +1,6 @@
 """The norm, scale, LAMB stage kernels and SGD's device first-run flag through shardopt._ops:
-determinism, accuracy, inf/nan, dtypes."""
+determinism, accuracy, inf/nan, dtypes, and the work moved into the kernels (LAMB's clip factor
+and square roots) against the torch ops it replaced."""
 
 import math
 import re
@@ -267,6 +268,58 @@ def test_lamb_found_inf_leaves_param_and_moments_unchanged_through_both_stages(d
     for k in range(1, 4):
         assert all(torch.equal(a, b) for a, b in zip(lists[k], start[k], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(outs, out_start, strict=True))
+
+
+def _exact_sqrt(t: torch.Tensor) -> torch.Tensor:
+    """A correctly rounded square root in ``t``'s dtype (torch's CPU sqrt may be an ulp off;
+    the kernels' is not): through Python's double sqrt, exact for fp32 after rounding."""
+    flat = [math.sqrt(x) for x in t.detach().double().cpu().reshape(-1).tolist()]
+    return torch.tensor(flat, dtype=torch.float64).reshape(t.shape).to(t.dtype).to(t.device)
+
+
+def _clip_factor(total_sq, max_grad_norm, inv_scale=None):
+    """LAMB's clip factor (lamb.clip_scale's fp32 torch ops) from an exactly rounded norm."""
+    norm = _exact_sqrt(total_sq.reshape(1))
+    if inv_scale is not None:
+        norm = norm * inv_scale
+    factor = torch.where(norm > max_grad_norm, max_grad_norm / norm, torch.ones_like(norm))
+    return factor if inv_scale is None else factor * inv_scale
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["no-scale", "inv-scale"])
+@pytest.mark.parametrize("max_grad_norm", [0.5, 1e6, 0.0], ids=["clips", "no-clip", "off"])
+def test_lamb_stage1_clip_factor_from_the_norm_equals_a_given_grad_scale(
+    max_grad_norm, scaled, device
+):
+    """Stage 1 computes the clip factor from the grads' sum of squares on the device (no tensor op
+    between the norm and the stage): the bits of stage 1 given that factor as grad_scale_t."""
+    lists = _lamb_inputs(_shapes(device), torch.float32, torch.float32, device)
+    total_sq, _ = _ops.norm(lists[0])
+    inv = torch.tensor([0.25], device=device) if scaled else None
+    a, b = _clone(lists), _clone(lists)
+    got = _stage1(a, grad_norm_sq_t=total_sq, max_grad_norm=max_grad_norm, grad_scale_t=inv)
+    if max_grad_norm > 0:
+        factor = _clip_factor(total_sq, max_grad_norm, inv)
+    else:
+        factor = inv if inv is not None else torch.ones(1, device=device)
+    want = _stage1(b, grad_scale_t=factor)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for k in (2, 3):
+        assert all(torch.equal(x, y) for x, y in zip(a[k], b[k], strict=True))
+    if max_grad_norm == 0.5:
+        assert factor.item() < (0.25 if scaled else 1.0)  # the clip was taken
+
+
+def test_lamb_stage2_takes_sums_of_squares(device):
+    """squared=True: the kernel takes the square roots of stage 1's sums itself."""
+    lists = _lamb_inputs(_shapes(device), torch.float32, torch.float32, device)
+    w_sq, u_sq = _stage1(lists)
+    stage2 = dict(lr=0.1, adam_w_mode=True, use_nvlamb=False, **LAMB_ARGS)
+    a, b = _clone(lists[1:]), _clone(lists[1:])
+    _ops.lamb_stage2(a, w_sq, u_sq, squared=True, **stage2)
+    _ops.lamb_stage2(b, _exact_sqrt(w_sq), _exact_sqrt(u_sq), **stage2)
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a[0], lists[1], strict=True))
 
 
 @pytest.mark.parametrize("started", [False, True])
