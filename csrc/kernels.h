@@ -30,6 +30,10 @@
 // squared=true). The update term is never stored. The built-in clipping can be left to stage 1:
 // given grad_norm_sq_t (the grads' sum of squares, a device scalar) and max_grad_norm > 0, it
 // multiplies the grads by the clip factor (times grad_scale_t) it computes on the device.
+//
+// novograd_step is NovoGrad's whole step in one call: the per-tensor grad norms, the per-tensor
+// second moments v blended with them in place, then the element update over [grad, param,
+// exp_avg(, out)]. Every argument is checked before anything of the caller's is written.
 #pragma once
 
 #include <ATen/core/Tensor.h>
