@@ -26,7 +26,14 @@
 // squares (w_sq, u_sq) of the param before the update and of the update term, taken in the same
 // pass and deterministically (fp32; fp64 on CPU for fp64 params; zeros for a skipped step);
 // lamb_stage2 recomputes the update term from [param, exp_avg, exp_avg_sq(, out)] and applies the
-// trust ratio from w_norm = sqrt(w_sq), u_norm = sqrt(u_sq). The update term is never stored.
+// trust ratio from w_norm = sqrt(w_sq), u_norm = sqrt(u_sq) (or from the sums themselves with
+// squared=true). The update term is never stored. The built-in clipping can be left to stage 1:
+// given grad_norm_sq_t (the grads' sum of squares, a device scalar) and max_grad_norm > 0, it
+// multiplies the grads by the clip factor (times grad_scale_t) it computes on the device.
+//
+// novograd_step is NovoGrad's whole step in one call: the per-tensor grad norms, the per-tensor
+// second moments v blended with them in place, then the element update over [grad, param,
+// exp_avg(, out)]. Every argument is checked before anything of the caller's is written.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -15,6 +15,12 @@ turns step by step, so load from other processes hits them alike.
   step (timing only), and a contender whose capture fails reports why.
 - CPU: ``perf_counter`` around each step (``step ms`` is the host time).
 
+On a GPU the run first measures the device copy bandwidth (bench_common.copy_bandwidth_gbs), and
+each row's "of copy" is the effective bandwidth of its step (the bytes the update must move, the
+B/p column, bench_kernels.py's convention, from the dtypes each optimizer actually keeps) over it.
+The output is one line per (dtype, optimizer, implementation), eager and graph side by side, and
+one line per contender that could not be measured; ``--out`` writes every number as JSON.
+
 ::
 
     python launch_scripts/bench_host.py --out bench_host.json               # GPU: gpt2 fp32, bf16
@@ -28,11 +34,19 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_common import environment, format_table, free_memory, median, write_json
+from bench_common import (
+    copy_bandwidth_gbs,
+    environment,
+    format_table,
+    free_memory,
+    median,
+    write_json,
+)
 from bench_kernels import gpt_shapes, make_params, scaled, shardopt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -54,6 +68,46 @@ CLASSES: dict[str, tuple[str, dict, type | None, dict]] = {
     "mp_lamb": ("FusedMixedPrecisionLamb", {"weight_decay": 0.01}, None, {}),
 }
 CAPTURABLE = {"adam", "lamb", "lamb_noclip"}  # with a capturable flag (mp_lamb always is)
+
+# Element accesses per param element of one step (bench_kernels.py's TRAFFIC): (grad reads, reads +
+# writes of the param the math updates (the fp32 master where there is one), reads + writes of
+# each element of per-element state summed over the state tensors). A low-precision param with a
+# master is written once more (the rounded copy). LAMB with clipping reads the grads twice (the
+# global norm, then stage 1): fp32 44 B/param, 40 without; NovoGrad reads them twice too (the
+# per-tensor norms, then the update): fp32 24 B/param.
+ACCESSES = {
+    "adam": (1, 2, 4),
+    "sgd": (1, 2, 2),
+    "adagrad": (1, 2, 2),
+    "lamb": (2, 3, 6),
+    "lamb_noclip": (1, 3, 6),
+    "novograd": (2, 2, 2),
+    "mp_lamb": (2, 3, 6),
+}
+
+
+def bytes_per_param(algo: str, opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
+    """The bytes one step must move per param element, from the dtypes ``opt`` keeps (after a
+    step: its state exists)."""
+    grad_reads, param_accesses, state_accesses = ACCESSES[algo]
+    p = max(params, key=lambda t: t.numel())
+    state = opt.state.get(p, {})
+    master = state.get("master_param")
+    math_size = master.element_size() if torch.is_tensor(master) else p.element_size()
+    state_size = next(
+        (
+            v.element_size()
+            for k, v in state.items()
+            if k != "master_param" and torch.is_tensor(v) and v.shape == p.shape
+        ),
+        p.element_size(),
+    )
+    return (
+        grad_reads * p.grad.element_size()
+        + param_accesses * math_size
+        + state_accesses * state_size
+        + (p.element_size() if torch.is_tensor(master) else 0)
+    )
 
 
 def make(algo: str, impl: str, params: list[torch.Tensor], graph: bool) -> torch.optim.Optimizer:
@@ -117,6 +171,7 @@ class Contender:
             self.device_ms = [s.elapsed_time(e) for s, e in self._events]
         else:
             self.device_ms = self.host_ms
+        self.bytes_per_param = bytes_per_param(self.algo, self.opt, self.params)
 
 
 def impls(algo: str, device: torch.device) -> list[str]:
@@ -126,14 +181,17 @@ def impls(algo: str, device: torch.device) -> list[str]:
     return ["shardopt", "torch_fused"]
 
 
-def run_mode(set_name: str, dtype_name: str, graph: bool, device, args) -> list[dict[str, Any]]:
+def run_mode(
+    set_name: str, dtype_name: str, graph: bool, device, args, copy_gbs: float | None
+) -> list[dict[str, Any]]:
     shapes = scaled(SETS[set_name](), args.scale)
+    numel = sum(_numel(s) for s in shapes)
     dtype = DTYPES[dtype_name]
     contenders, rows = [], []
     for algo in args.classes:
         for impl in impls(algo, device):
             row = {"set": set_name, "dtype": dtype_name, "optimizer": algo, "impl": impl}
-            row.update(mode="graph" if graph else "eager", tensors=len(shapes))
+            row.update(mode="graph" if graph else "eager", tensors=len(shapes), numel=numel)
             try:
                 contenders.append((row, Contender(algo, impl, shapes, dtype, device, graph, 3)))
             except Exception as exc:  # e.g. a torch optimizer that refuses capture
@@ -145,7 +203,11 @@ def run_mode(set_name: str, dtype_name: str, graph: bool, device, args) -> list[
             c.timed()
     for row, c in contenders:
         c.finish()
-        row.update(ms=median(c.device_ms), host_ms=median(c.host_ms), min_ms=min(c.device_ms))
+        ms = median(c.device_ms)
+        row.update(ms=ms, host_ms=median(c.host_ms), min_ms=min(c.device_ms))
+        row.update(bytes_per_param=c.bytes_per_param, gbs=numel * c.bytes_per_param / ms / 1e6)
+        if copy_gbs:
+            row["of_copy"] = row["gbs"] / copy_gbs
     base = {r["optimizer"]: r["ms"] for r in rows if r["impl"] == "shardopt" and "ms" in r}
     for r in rows:
         if "ms" in r and base.get(r["optimizer"]):
@@ -155,23 +217,39 @@ def run_mode(set_name: str, dtype_name: str, graph: bool, device, args) -> list[
     return rows
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    headers = [
-        "set",
-        "dtype",
-        "mode",
-        "optimizer",
-        "impl",
-        "step ms",
-        "host ms",
-        "min ms",
-        "/ ours",
-    ]
-    keys = ["set", "dtype", "mode", "optimizer", "impl", "ms", "host_ms", "min_ms", "vs_shardopt"]
-    print(format_table(headers, [[r.get(k) for k in keys] for r in rows]))
+    """One line per (set, dtype, optimizer, impl): eager and graph side by side; then one line
+    per contender that was not measured."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        key = (r["set"], r["dtype"], r["optimizer"], r["impl"])
+        merged.setdefault(key, {})[r["mode"]] = r
+    headers = ["set", "dtype", "optimizer", "impl", "B/p", "eager ms", "host ms", "of copy"]
+    headers += ["/ ours", "graph ms", "of copy", "/ ours"]
+    table = []
+    for (set_name, dtype, algo, impl), modes in merged.items():
+        eager, graph = modes.get("eager", {}), modes.get("graph", {})
+        bpp = eager.get("bytes_per_param", graph.get("bytes_per_param"))
+        table.append(
+            [set_name, dtype, algo, impl, bpp, eager.get("ms"), eager.get("host_ms")]
+            + [_pct(eager.get("of_copy")), eager.get("vs_shardopt"), graph.get("ms")]
+            + [_pct(graph.get("of_copy")), graph.get("vs_shardopt")]
+        )
+    print(format_table(headers, table))
     for r in rows:
         if "error" in r:
-            print(f"  not measured: {r['mode']} {r['optimizer']} {r['impl']}: {r['error']}")
+            print(f"not measured: {r['mode']} {r['optimizer']} {r['impl']}: {r['error']}")
+
+
+def _pct(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.1f}%"
 
 
 def profile(algo: str, device: torch.device, args) -> None:
@@ -212,6 +290,12 @@ def parse_args() -> argparse.Namespace:
         metavar="CLASS",
         help="instead of timing, cProfile 500 steps of this shardopt class (first dtype)",
     )
+    parser.add_argument(
+        "--copy-numel",
+        type=int,
+        default=512 * 2**20,
+        help="fp32 elements of the copy-bandwidth buffer (GPU)",
+    )
     parser.add_argument("--out", default=None, help="write the results as JSON to this file")
     args = parser.parse_args()
     if args.device is None:
@@ -236,6 +320,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    warnings.filterwarnings("once")  # a warning per contender and step would swamp the table
     env = environment(device)
     print(
         f"{env['date']}  {env['device_name']}  torch {env['torch']}  commit {env['commit']}  "
@@ -245,12 +330,19 @@ def main() -> None:
     if args.profile:
         profile(args.profile, device, args)
         return
+    copy = None
+    if device.type == "cuda":
+        copy = copy_bandwidth_gbs(device, args.copy_numel)
+        print(
+            f"copy bandwidth {copy['gbs']:,.0f} GB/s ({copy['bytes'] / 1e9:.2f} GB in "
+            f"{copy['ms']:.3f} ms)"
+        )
     rows = []
     for dtype_name in args.dtypes:
         for graph in [False, True] if args.graph else [False]:
-            rows += run_mode(args.set, dtype_name, graph, device, args)
+            rows += run_mode(args.set, dtype_name, graph, device, args, copy and copy["gbs"])
     print_table(rows)
-    write_json(args.out, {"environment": env, "args": vars(args), "results": rows})
+    write_json(args.out, {"environment": env, "args": vars(args), "copy": copy, "results": rows})
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ for s in "$@"; do
              --modes shardopt_adam_overlap,shardopt_adam_scaled,shardopt_adam_int8,shardopt_adam_bf16,shardopt_adam_bf16_remainders,shardopt_adam_bf16_remainders_int8,fsdp2 \
              --out "$OUT/bench_train_formats.json" > "$OUT/bench_train_formats.log" 2>&1; tail -14 "$OUT/bench_train_formats.log" ;;
     host) timeout 200 python3 launch_scripts/bench_host.py --out "$OUT/bench_host.json" \
-             > "$OUT/bench_host.log" 2>&1; head -60 "$OUT/bench_host.log" ;;
+             > "$OUT/bench_host.log" 2>&1; tail -45 "$OUT/bench_host.log" ;;
     deepspeed) python3 -m pip install -q --no-index --no-deps .dswheels/*.whl > "$OUT/deepspeed_install.log" 2>&1
              # DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as numbers ("9.0a" fails)
              TORCH_CUDA_ARCH_LIST=9.0 timeout 500 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \

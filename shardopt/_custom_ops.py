@@ -1,8 +1,9 @@
 """Every kernel of ``shardopt._C`` as a ``torch.library`` custom op, for ``torch.compile``.
 
 ``shardopt::adam``, ``sgd``, ``adagrad``, ``lamb_stage1``, ``lamb_stage2``, ``novograd``,
-``norm`` and ``scale`` take the kernels' tensor lists and scalars and mutate in place the slots the
-kernel writes (declared in ``mutates_args``). Their fake (meta) implementations allocate only what
+``novograd_step``, ``norm`` and ``scale`` take the kernels' tensor lists and scalars and mutate in
+place the slots the kernel writes (declared in ``mutates_args``; ``novograd_step`` also its
+second-moment vector ``v``). Their fake (meta) implementations allocate only what
 the kernel returns (``lamb_stage1``'s and ``norm``'s per-tensor sums, with the kernel's shape,
 dtype and device), so Dynamo and AOTAutograd trace a call without running it and the compiled graph
 calls the kernel as one opaque node. ``shardopt._ops`` routes its public wrappers here only while
@@ -40,21 +41,28 @@ def _split(lists, depth: int) -> tuple[list[list[Tensor]], list[Tensor | None]]:
     return [list(s) for s in lists[:depth]], [] if outs is None else list(outs)
 
 
-def _by_out(slots, outs, vectors: Sequence[Tensor] = ()):
+def _by_out(slots, outs, vectors: Sequence[Tensor | None] = (), index: list | None = None):
     """(slots, outs, per-tensor vectors) of the positions with an out, then of those without.
 
     A group mixing params with and without masters has None entries in its out slot, which the
     ops' ``Tensor[]`` cannot hold (and torch 2.13's auto-functionalization of a mutated
     ``Tensor?[]`` fails), so each kind gets its own call, as the eager path splits by dtype.
+    ``index``, if given, receives each call's positions as a tensor (None: all of them).
     """
     have = [o is not None for o in outs]
     if all(have) or not any(have):
+        if index is not None:
+            index.append(None)
         yield slots, outs if any(have) else [], list(vectors)
         return
     for kind in (True, False):
         idx = [i for i, h in enumerate(have) if h == kind]
         sub = [[s[i] for i in idx] for s in slots]
-        vecs = [v.index_select(0, torch.tensor(idx, device=v.device)) for v in vectors]
+        device = next(v.device for v in vectors if v is not None) if vectors else None
+        positions = torch.tensor(idx, device=device) if device is not None else None
+        if index is not None:
+            index.append(positions)
+        vecs = [None if v is None else v.index_select(0, positions) for v in vectors]
         yield sub, [outs[i] for i in idx] if kind else [], vecs
 
 
@@ -207,6 +215,49 @@ def novograd_op(
     )
 
 
+@torch.library.custom_op(
+    "shardopt::novograd_step", mutates_args=("params", "exp_avg", "outs", "v"), device_types=None
+)
+def novograd_step_op(
+    grads: list[Tensor],
+    params: list[Tensor],
+    exp_avg: list[Tensor],
+    outs: list[Tensor],
+    v: Tensor,
+    fresh: OptTensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+    bias_correction: bool,
+    weight_decay: float,
+    grad_averaging: bool,
+    moment_mode: int,
+    norm_type: int,
+    init_zero: bool,
+    lr_t: OptTensor = None,
+    step_t: OptTensor = None,
+) -> None:
+    _ops.novograd_step(
+        _lists(grads, params, exp_avg, outs=outs),
+        v,
+        fresh,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        step=step,
+        bias_correction=bias_correction,
+        weight_decay=weight_decay,
+        grad_averaging=grad_averaging,
+        moment_mode=moment_mode,
+        norm_type=norm_type,
+        init_zero=init_zero,
+        **_given(lr_t=lr_t, step_t=step_t),
+    )
+
+
 # -- LAMB's two stages ----------------------------------------------------------------------------
 
 
@@ -229,6 +280,8 @@ def lamb_stage1_op(
     step_t: OptTensor = None,
     grad_scale_t: OptTensor = None,
     found_inf_t: OptTensor = None,
+    grad_norm_sq_t: OptTensor = None,
+    max_grad_norm: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     w_sq, u_sq = _ops.lamb_stage1(
         _lists(grads, params, exp_avg, exp_avg_sq),
@@ -240,7 +293,13 @@ def lamb_stage1_op(
         weight_decay=weight_decay,
         grad_averaging=grad_averaging,
         adam_w_mode=adam_w_mode,
-        **_given(step_t=step_t, grad_scale_t=grad_scale_t, found_inf_t=found_inf_t),
+        max_grad_norm=max_grad_norm,
+        **_given(
+            step_t=step_t,
+            grad_scale_t=grad_scale_t,
+            found_inf_t=found_inf_t,
+            grad_norm_sq_t=grad_norm_sq_t,
+        ),
     )
     return w_sq, u_sq.clone()  # the CUDA kernel's two sums are rows of one tensor: no aliasing
 
@@ -274,6 +333,7 @@ def lamb_stage2_op(
     lr_t: OptTensor = None,
     step_t: OptTensor = None,
     found_inf_t: OptTensor = None,
+    squared: bool = False,
 ) -> None:
     _ops.lamb_stage2(
         _lists(params, exp_avg, exp_avg_sq, outs=outs),
@@ -288,6 +348,7 @@ def lamb_stage2_op(
         weight_decay=weight_decay,
         adam_w_mode=adam_w_mode,
         use_nvlamb=use_nvlamb,
+        squared=squared,
         **_given(lr_t=lr_t, step_t=step_t, found_inf_t=found_inf_t),
     )
 
@@ -315,7 +376,7 @@ def scale_op(
     _ops.scale(src, dst, found_inf, scale=scale, scale_t=scale_t)
 
 
-for _op in (adam_op, sgd_op, adagrad_op, novograd_op, lamb_stage2_op, scale_op):
+for _op in (adam_op, sgd_op, adagrad_op, novograd_op, novograd_step_op, lamb_stage2_op, scale_op):
     _op.register_fake(lambda *args, **kwargs: None)  # in-place only: nothing to allocate
 
 
@@ -340,6 +401,16 @@ def adagrad(lists, **kw) -> None:
 def novograd(lists, v_norm: Tensor, **kw) -> None:
     for slots, outs, (v,) in _by_out(*_split(lists, 3), (v_norm,)):
         novograd_op(*slots, outs, v, **kw)
+
+
+def novograd_step(lists, v: Tensor, fresh: OptTensor, **kw) -> None:
+    index: list = []
+    for k, (slots, outs, (sub_v, sub_fresh)) in enumerate(
+        _by_out(*_split(lists, 3), (v, fresh), index)
+    ):
+        novograd_step_op(*slots, outs, sub_v, sub_fresh, **kw)
+        if index[k] is not None:  # the op blended a copy of these entries
+            v.index_copy_(0, index[k], sub_v)
 
 
 def lamb_stage1(lists, **kw) -> tuple[Tensor, Tensor]:

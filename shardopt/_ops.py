@@ -154,7 +154,8 @@ def _call(
     name: str,
     lists: TensorLists,
     *args,
-    per_tensor: Sequence[Tensor] = (),
+    per_tensor: Sequence[Tensor | None] = (),
+    per_tensor_writes: Sequence[int] = (),
     param_slot: int = 1,
     writes: Sequence[int] = (),
     mixed_dtypes: bool = False,
@@ -167,8 +168,10 @@ def _call(
     Note: layouts; ``param_slot`` is the slot that sets the layout, ``writes`` the slots copied
     back), and lists that mix dtypes within a slot are split into one call per dtype signature
     (unless ``mixed_dtypes``: the kernel dispatches per tensor). ``per_tensor`` vectors (one entry
-    per position) are sliced to each call. ``as_is`` tries the lists unchanged first (see Note:
-    lists passed as they are). Returns each call's positions with its result.
+    per position, or None) are sliced to each call; those at ``per_tensor_writes``, which the
+    kernel writes in place, are written back wherever a call got a slice or an fp32 copy.
+    ``as_is`` tries the lists unchanged first (see Note: lists passed as they are). Returns each
+    call's positions with its result.
     """
     from shardopt.optimizers.dtensor import local_lists
 
@@ -177,35 +180,64 @@ def _call(
         return []
     device = lists[0][0].device  # the kernel checks that every tensor is on it
     kernel = getattr(_backend(device), name)
-    if device.type == "cuda":
-        per_tensor = [v.float() for v in per_tensor]
+    given = per_tensor
+    if device.type == "cuda":  # the CUDA kernels read fp32 vectors in place
+        per_tensor = [v if v is None or v.dtype == torch.float32 else v.float() for v in per_tensor]
     n = len(lists[0])
     if as_is:
         try:
-            return [(range(n), kernel(lists, *per_tensor, *args, **kwargs))]
+            results = [(range(n), kernel(lists, *per_tensor, *args, **kwargs))]
+            _write_back(given, per_tensor_writes, [(None, per_tensor)])
+            return results
         except (RuntimeError, TypeError, ValueError) as exc:
             if not _refused(name, exc):
                 raise
     lists = local_lists(lists)
     if _as_they_are(lists, mixed_dtypes):
-        return [(range(n), kernel(lists, *per_tensor, *args, **kwargs))]
+        results = [(range(n), kernel(lists, *per_tensor, *args, **kwargs))]
+        _write_back(given, per_tensor_writes, [(None, per_tensor)])
+        return results
     lists, back = _layouts(name, lists, param_slot, writes)
+    passed = []  # (index or None, the vectors a call got)
     if mixed_dtypes:
         results = [(range(n), kernel(lists, *per_tensor, *args, **kwargs))]
+        passed.append((None, per_tensor))
     else:
         results = []
         for idx, slots in _signature_groups(lists):
             sub = [[lists[k][i] for i in idx] for k in slots]
+            index = None
             if len(idx) < n and per_tensor:
-                index = torch.tensor(idx, device=per_tensor[0].device)
-                vecs = [v.index_select(0, index) for v in per_tensor]
+                first = next(v for v in per_tensor if v is not None)
+                index = torch.tensor(idx, device=first.device)
+                vecs = [None if v is None else v.index_select(0, index) for v in per_tensor]
             else:
                 vecs = list(per_tensor)
             results.append((idx, kernel(sub, *vecs, *args, **kwargs)))
+            passed.append((index, vecs))
     with torch.no_grad():
         for t, temp in back:
             t.copy_(temp)
+    _write_back(given, per_tensor_writes, passed)
     return results
+
+
+def _write_back(
+    given: Sequence[Tensor | None],
+    slots: Sequence[int],
+    passed: list[tuple[Tensor | None, Sequence[Tensor | None]]],
+) -> None:
+    """Per-tensor vectors a kernel wrote in place (``slots``): each call's slice (its positions
+    ``index``, None: all of them) or fp32 copy goes back into the caller's vector."""
+    for k in slots:
+        for index, vecs in passed:
+            if vecs[k] is given[k]:
+                continue
+            with torch.no_grad():
+                if index is None:
+                    given[k].copy_(vecs[k])
+                else:
+                    given[k].index_copy_(0, index, vecs[k].to(given[k].dtype))
 
 
 def _per_tensor_results(
@@ -296,6 +328,25 @@ def novograd(lists: TensorLists, v_norm: Tensor, **kwargs) -> None:
 
         return _custom_ops.novograd(lists, v_norm, **kwargs)
     _call("novograd", lists, per_tensor=(v_norm,), writes=(1, 2, 3), **kwargs)
+
+
+def novograd_step(lists: TensorLists, v: Tensor, fresh: Tensor | None = None, **kwargs) -> None:
+    """NovoGrad's whole step over [grad, param, exp_avg(, out)] (see csrc/kernels.h): the
+    per-tensor grad norms (``norm_type`` 2 or 0), the per-tensor second moments ``v`` blended with
+    them in place (``fresh``: nonzero where a param has its first update; ``init_zero``), then the
+    update with the blended ``v``. Nothing is written unless every argument passes the checks."""
+    if torch.compiler.is_compiling():  # traced as the custom op shardopt::novograd_step
+        from shardopt import _custom_ops
+
+        return _custom_ops.novograd_step(lists, v, fresh, **kwargs)
+    _call(
+        "novograd_step",
+        lists,
+        per_tensor=(v, fresh),
+        per_tensor_writes=(0,),
+        writes=(1, 2, 3),
+        **kwargs,
+    )
 
 
 def norm(

@@ -274,8 +274,9 @@ def test_mixed_group_capturable_grad_scale_compiles():
 
 @pytest.mark.parametrize(
     "case",
-    ["adam", "adam_out", "sgd", "adagrad", "novograd", "lamb_stage1", "lamb_stage1_fp64",
-     "lamb_stage2", "norm", "norm_fp64_max", "scale"],
+    ["adam", "adam_out", "sgd", "adagrad", "novograd", "novograd_step", "novograd_step_fresh",
+     "lamb_stage1", "lamb_stage1_clip", "lamb_stage1_fp64", "lamb_stage2", "lamb_stage2_squared",
+     "norm", "norm_fp64_max", "scale"],
 )  # fmt: skip
 def test_custom_op_contract(case):
     """``torch.library.opcheck``: each op's schema, its fake implementation (shapes, dtypes and
@@ -287,6 +288,7 @@ def test_custom_op_contract(case):
 
     g, p, m, v = slots(4)
     hyper = (0.9, 0.99, 1e-6, 2, True, 0.1)  # beta1, beta2, eps, step, bias_correction, wd
+    nv = (0.1, 0.9, 0.99, 1e-8, 2, True, 0.1, True)  # lr, ..., weight_decay, grad_averaging
     one = torch.ones(1)
     op, args, kwargs = {
         "adam": (ops.adam_op, (g, p, m, v, [], 0.1, 0.9, 0.99, 1e-8, 2, True, True, 0.1), {}),
@@ -302,10 +304,26 @@ def test_custom_op_contract(case):
             (g, p, m, [], torch.rand(2) + 1, 0.1, 0.9, 0.99, 1e-8, 2, True, 0.1, True, 0),
             {},
         ),
+        "novograd_step": (
+            ops.novograd_step_op,
+            (g, p, m, [], torch.rand(2) + 1, None, *nv, 0, 2, False),
+            {},
+        ),
+        "novograd_step_fresh": (
+            ops.novograd_step_op,
+            (g, p, m, [t.bfloat16() for t in p], torch.rand(2) + 1, torch.tensor([True, False]))
+            + (*nv, 1, 0, True),
+            {"lr_t": one * 0.1},
+        ),
         "lamb_stage1": (
             ops.lamb_stage1_op,
             (g, p, m, v, *hyper, True, True),
             {"grad_scale_t": one},
+        ),
+        "lamb_stage1_clip": (
+            ops.lamb_stage1_op,
+            (g, p, m, v, *hyper, True, True),
+            {"grad_scale_t": one * 0.5, "grad_norm_sq_t": one * 9.0, "max_grad_norm": 1.0},
         ),
         "lamb_stage1_fp64": (
             ops.lamb_stage1_op,
@@ -316,6 +334,11 @@ def test_custom_op_contract(case):
             ops.lamb_stage2_op,
             (p, m, v, [], torch.rand(2) + 1, torch.rand(2) + 1, 0.1, *hyper, True, False),
             {},
+        ),
+        "lamb_stage2_squared": (
+            ops.lamb_stage2_op,
+            (p, m, v, [], torch.rand(2) + 1, torch.rand(2) + 1, 0.1, *hyper, True, False),
+            {"squared": True},
         ),
         "norm": (ops.norm_op, (g, False), {}),
         "norm_fp64_max": (ops.norm_op, (slots(1, torch.float64)[0], True), {}),

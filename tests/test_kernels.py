@@ -1,5 +1,6 @@
-"""The norm, scale, LAMB stage kernels and SGD's device first-run flag through shardopt._ops:
-determinism, accuracy, inf/nan, dtypes."""
+"""The norm, scale, LAMB stage and NovoGrad step kernels and SGD's device first-run flag through
+shardopt._ops: determinism, accuracy, inf/nan, dtypes, and the work moved into the kernels (LAMB's
+clip factor and square roots, NovoGrad's norms and blend) against the torch ops it replaced."""
 
 import math
 import re
@@ -267,6 +268,150 @@ def test_lamb_found_inf_leaves_param_and_moments_unchanged_through_both_stages(d
     for k in range(1, 4):
         assert all(torch.equal(a, b) for a, b in zip(lists[k], start[k], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(outs, out_start, strict=True))
+
+
+def _exact_sqrt(t: torch.Tensor) -> torch.Tensor:
+    """A correctly rounded square root in ``t``'s dtype (torch's CPU sqrt may be an ulp off;
+    the kernels' is not): through Python's double sqrt, exact for fp32 after rounding."""
+    flat = [math.sqrt(x) for x in t.detach().double().cpu().reshape(-1).tolist()]
+    return torch.tensor(flat, dtype=torch.float64).reshape(t.shape).to(t.dtype).to(t.device)
+
+
+def _clip_factor(total_sq, max_grad_norm, inv_scale=None):
+    """LAMB's clip factor (lamb.clip_scale's fp32 torch ops) from an exactly rounded norm."""
+    norm = _exact_sqrt(total_sq.reshape(1))
+    if inv_scale is not None:
+        norm = norm * inv_scale
+    factor = torch.where(norm > max_grad_norm, max_grad_norm / norm, torch.ones_like(norm))
+    return factor if inv_scale is None else factor * inv_scale
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["no-scale", "inv-scale"])
+@pytest.mark.parametrize("max_grad_norm", [0.5, 1e6, 0.0], ids=["clips", "no-clip", "off"])
+def test_lamb_stage1_clip_factor_from_the_norm_equals_a_given_grad_scale(
+    max_grad_norm, scaled, device
+):
+    """Stage 1 computes the clip factor from the grads' sum of squares on the device (no tensor op
+    between the norm and the stage): the bits of stage 1 given that factor as grad_scale_t."""
+    lists = _lamb_inputs(_shapes(device), torch.float32, torch.float32, device)
+    total_sq, _ = _ops.norm(lists[0])
+    inv = torch.tensor([0.25], device=device) if scaled else None
+    a, b = _clone(lists), _clone(lists)
+    got = _stage1(a, grad_norm_sq_t=total_sq, max_grad_norm=max_grad_norm, grad_scale_t=inv)
+    if max_grad_norm > 0:
+        factor = _clip_factor(total_sq, max_grad_norm, inv)
+    else:
+        factor = inv if inv is not None else torch.ones(1, device=device)
+    want = _stage1(b, grad_scale_t=factor)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for k in (2, 3):
+        assert all(torch.equal(x, y) for x, y in zip(a[k], b[k], strict=True))
+    if max_grad_norm == 0.5:
+        assert factor.item() < (0.25 if scaled else 1.0)  # the clip was taken
+
+
+def test_lamb_stage2_takes_sums_of_squares(device):
+    """squared=True: the kernel takes the square roots of stage 1's sums itself."""
+    lists = _lamb_inputs(_shapes(device), torch.float32, torch.float32, device)
+    w_sq, u_sq = _stage1(lists)
+    stage2 = dict(lr=0.1, adam_w_mode=True, use_nvlamb=False, **LAMB_ARGS)
+    a, b = _clone(lists[1:]), _clone(lists[1:])
+    _ops.lamb_stage2(a, w_sq, u_sq, squared=True, **stage2)
+    _ops.lamb_stage2(b, _exact_sqrt(w_sq), _exact_sqrt(u_sq), **stage2)
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a[0], lists[1], strict=True))
+
+
+# -- NovoGrad in one call: norms, blend and update ----------------------------------------------
+
+NOVOGRAD_ARGS = dict(
+    lr=0.05, beta1=0.9, beta2=0.98, eps=1e-8, step=3, bias_correction=True, weight_decay=0.1,
+    grad_averaging=True, moment_mode=1,
+)  # fmt: skip
+
+
+def _novograd_lists(device, grad_dtype=torch.float32, param_dtype=torch.float32):
+    shapes = _shapes(device)
+    acc = torch.float64 if param_dtype == torch.float64 else torch.float32
+    return [
+        make_tensors(shapes, grad_dtype, device),
+        make_tensors(shapes, param_dtype, device),
+        make_tensors(shapes, acc, device, std=0.1),
+    ]
+
+
+@pytest.mark.parametrize("norm_type", [2, 0])
+@pytest.mark.parametrize("init_zero", [False, True])
+@pytest.mark.parametrize(
+    "grad_dtype, param_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+     (torch.float64, torch.float64)],
+    ids=["fp32", "bf16", "fp64"],
+)  # fmt: skip
+def test_novograd_step_equals_norm_blend_and_update(
+    norm_type, init_zero, grad_dtype, param_dtype, device
+):
+    """novograd_step (one call) gives the bits of the three steps it fuses: _ops.norm, the blend
+    of blend_second_moment (torch ops) and _ops.novograd, with some params on their first update;
+    the second moments come back in place."""
+    from shardopt.optimizers.novograd import blend_second_moment
+
+    skip_unsupported(param_dtype, device)
+    lists = _novograd_lists(device, grad_dtype, param_dtype)
+    n = len(lists[0])
+    acc = torch.float64 if param_dtype == torch.float64 else torch.float32
+    v0 = (torch.rand(n, dtype=acc) + 0.5).to(device)
+    fresh = torch.tensor([i % 2 == 0 for i in range(n)], device=device)
+    hyper = dict(NOVOGRAD_ARGS, init_zero=init_zero, norm_type=norm_type)
+    a, v = _clone(lists), v0.clone()
+    _ops.novograd_step(a, v, fresh, **hyper)
+    b = _clone(lists)
+    _, per = _ops.norm(b[0], max_norm=norm_type == 0)
+    norms = per if norm_type == 0 else _exact_sqrt(per)
+    want_v = blend_second_moment(
+        v0.clone(), norms, fresh, beta2=0.98, norm_type=norm_type, init_zero=init_zero
+    )
+    if norm_type == 2:  # the blend's own square root, exactly rounded as the kernel's
+        raw = 0.98 * v0 * v0 + (1 - 0.98) * norms * norms
+        want_v = torch.where(fresh, want_v, _exact_sqrt(raw))
+    _ops.novograd(b, want_v, **NOVOGRAD_ARGS)
+    assert v.dtype == v0.dtype and torch.equal(v, want_v.to(v.dtype))
+    for k in (1, 2):
+        assert all(torch.equal(x, y) for x, y in zip(a[k], b[k], strict=True)), k
+
+
+def test_novograd_step_refused_writes_nothing(device):
+    """A call the kernel refuses (exp_avg of the wrong dtype) raises before anything is
+    written: the second moments and params are as they were."""
+    lists = _novograd_lists(device)
+    lists[2] = [t.double() for t in lists[2]]
+    start = _clone(lists)
+    v = torch.rand(len(lists[0]), device=device) + 0.5
+    v_start = v.clone()
+    with pytest.raises(RuntimeError, match="novograd_step: exp_avg must be"):
+        _ops._backend(device).novograd_step(
+            lists, v, None, norm_type=2, init_zero=False, **NOVOGRAD_ARGS
+        )
+    assert torch.equal(v, v_start)
+    for k in range(3):
+        assert all(torch.equal(x, y) for x, y in zip(lists[k], start[k], strict=True))
+
+
+def test_novograd_step_mixed_dtypes_write_back_each_split(device):
+    """A group whose lists mix dtypes is one kernel call per dtype signature (shardopt._ops):
+    each call blends a slice of v, which comes back in place in the caller's order."""
+    parts = [_novograd_lists(device, g, p) for g, p in
+             [(torch.float32, torch.float32), (torch.float16, torch.float16)]]  # fmt: skip
+    lists = [parts[0][k][:3] + parts[1][k][:3] for k in range(3)]
+    n = len(lists[0])
+    v0 = torch.rand(n, device=device) + 0.5
+    v = v0.clone()
+    _ops.novograd_step(_clone(lists), v, None, norm_type=2, init_zero=False, **NOVOGRAD_ARGS)
+    for lo, hi in ((0, 3), (3, 6)):
+        one = v0[lo:hi].clone()
+        part = [lst[lo:hi] for lst in lists]
+        _ops.novograd_step(_clone(part), one, None, norm_type=2, init_zero=False, **NOVOGRAD_ARGS)
+        assert torch.equal(v[lo:hi], one)
 
 
 @pytest.mark.parametrize("started", [False, True])

@@ -173,3 +173,50 @@ def test_fp64_keeps_the_second_moment_in_fp64():
     other.load_state_dict(run.opt.state_dict())
     assert other.param_groups[0]["exp_avg_sq"].dtype == torch.float64
     assert torch.equal(other.param_groups[0]["exp_avg_sq"], v)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("norm_type", [2, 0])
+def test_a_captured_step_replays_as_eager(norm_type):
+    """FusedNovoGrad has no capturable mode (its step count lives on the host), but without bias
+    correction its step does not depend on it: a step captured in a CUDA graph (norms, the blend
+    of the second moments in place and the update: one kernel call) replays as eager steps."""
+    shapes = [(300, 70), (7,), (1,), (65536 + 3,)]
+    torch.manual_seed(0)
+    start = [torch.randn(s, device="cuda") for s in shapes]
+    kw = dict(lr=1e-2, weight_decay=0.1, bias_correction=False, norm_type=norm_type)
+    graphed = [torch.nn.Parameter(t.clone()) for t in start]
+    eager = [torch.nn.Parameter(t.clone()) for t in start]
+    opts = [FusedNovoGrad(graphed, **kw), FusedNovoGrad(eager, **kw)]
+    grads = [[torch.randn(s, device="cuda") for s in shapes] for _ in range(6)]
+    for p, g in zip(graphed, grads[0]):
+        p.grad = g.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for k in range(3):  # warm-up: state, then the planned path
+            for p, g in zip(graphed, grads[k]):
+                p.grad.copy_(g)
+            opts[0].step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opts[0].step()
+    for k in range(6):
+        for p, g in zip(eager, grads[k]):
+            p.grad = g.clone()
+        opts[1].step()
+        if k >= 3:
+            for p, g in zip(graphed, grads[k]):
+                p.grad.copy_(g)
+            graph.replay()
+            torch.cuda.synchronize()
+            for a, b in zip(graphed, eager):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                opts[0].param_groups[0]["exp_avg_sq"],
+                opts[1].param_groups[0]["exp_avg_sq"],
+                rtol=0,
+                atol=0,
+            )

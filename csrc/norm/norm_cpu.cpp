@@ -1,6 +1,8 @@
 // Deterministic multi-tensor norms on CPU: each (tensor, chunk) work item writes its partial into
 // a fixed slot, and partials are combined in a fixed order, so the result does not depend on the
-// thread count or scheduling.
+// thread count or scheduling. per_tensor_sums (norm_cpu.h) also serves novograd_step.
+#include "norm_cpu.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
@@ -37,23 +39,20 @@ Acc chunk_partial(const T* x, int64_t s, int64_t e, bool max_norm) {
   return acc;
 }
 
-double combine(double a, double b, bool max_norm) {
+}  // namespace
+
+namespace cpu {
+
+double combine_partials(double a, double b, bool max_norm) {
   if (!max_norm) return a + b;
   if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::quiet_NaN();
   return a > b ? a : b;
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> norm_cpu(const TensorList& tensors, bool max_norm) {
-  check_tensor_lists_no_out({tensors}, 1, c10::DeviceType::CPU, "norm", /*mixed_dtypes=*/true);
-  bool all_double = !tensors.empty();
-  for (const at::Tensor& t : tensors) all_double &= t.scalar_type() == at::kDouble;
-  const auto out_dtype = all_double ? at::kDouble : at::kFloat;
-  const int64_t n = static_cast<int64_t>(tensors.size());
-  const auto items = cpu::work_items(tensors);
+std::vector<double> per_tensor_sums(const std::vector<at::Tensor>& tensors, bool max_norm) {
+  const auto items = work_items(tensors);
   std::vector<double> partials(items.size(), 0.0);
-  cpu::apply(items, [&](int64_t idx, int64_t k, int64_t s, int64_t e) {
+  apply(items, [&](int64_t idx, int64_t k, int64_t s, int64_t e) {
     dispatch_float(tensors[k].scalar_type(), "norm", [&](auto tag) {
       using T = decltype(tag);
       using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
@@ -61,12 +60,24 @@ std::tuple<at::Tensor, at::Tensor> norm_cpu(const TensorList& tensors, bool max_
           chunk_partial<T, Acc>(static_cast<const T*>(tensors[k].data_ptr()), s, e, max_norm));
     });
   });
-  std::vector<double> per(n, 0.0);
+  std::vector<double> per(tensors.size(), 0.0);
   for (size_t i = 0; i < items.size(); ++i) {
-    per[items[i].tensor] = combine(per[items[i].tensor], partials[i], max_norm);
+    per[items[i].tensor] = combine_partials(per[items[i].tensor], partials[i], max_norm);
   }
+  return per;
+}
+
+}  // namespace cpu
+
+std::tuple<at::Tensor, at::Tensor> norm_cpu(const TensorList& tensors, bool max_norm) {
+  check_tensor_lists_no_out({tensors}, 1, c10::DeviceType::CPU, "norm", /*mixed_dtypes=*/true);
+  bool all_double = !tensors.empty();
+  for (const at::Tensor& t : tensors) all_double &= t.scalar_type() == at::kDouble;
+  const auto out_dtype = all_double ? at::kDouble : at::kFloat;
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  const std::vector<double> per = cpu::per_tensor_sums(tensors, max_norm);
   double total = 0.0;
-  for (int64_t k = 0; k < n; ++k) total = combine(total, per[k], max_norm);
+  for (int64_t k = 0; k < n; ++k) total = cpu::combine_partials(total, per[k], max_norm);
   at::Tensor per_t = at::empty({n}, at::TensorOptions().dtype(at::kDouble));
   double* pp = per_t.data_ptr<double>();
   for (int64_t k = 0; k < n; ++k) pp[k] = per[k];

@@ -10,43 +10,9 @@
 #include "../kernels.h"
 #include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
-#include "block_reduce.cuh"
+#include "norm_op.cuh"
 
 namespace shardopt {
-namespace {
-
-// Pass 1 op over one slot of storage type T; partials are out_t.
-template <typename T, typename out_t>
-struct NormOp {
-  using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  using Slots = cuda::Slots<T>;
-  out_t* partial;  // one per work unit
-  int64_t* first;  // per tensor: [first unit, number of chunks]
-  bool max_norm;
-
-  __device__ bool skip() const { return false; }
-  __device__ bool reads(int) const { return true; }
-  __device__ bool writes(int) const { return false; }
-
-  template <typename C>
-  __device__ acc_t begin(const C&) const {
-    return acc_t(0);
-  }
-
-  __device__ void operator()(acc_t (&x)[1], acc_t& acc) const {
-    acc = max_norm ? cuda::nan_max(acc, acc_t(fabs(x[0]))) : acc + x[0] * x[0];
-  }
-
-  template <typename C>
-  __device__ void end(const C& c, acc_t& acc) const {
-    acc = cuda::block_reduce(acc, max_norm);
-    if (threadIdx.x != 0) return;
-    partial[c.unit] = static_cast<out_t>(acc);
-    cuda::record_first(c, first);
-  }
-};
-
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> norm_cuda(const TensorList& tensors, bool max_norm) {
   if (tensors.empty()) {
@@ -71,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor> norm_cuda(const TensorList& tensors, bool max
   const int64_t n = static_cast<int64_t>(tensors.size());
   const auto opts = at::TensorOptions().device(device).dtype(all_double ? at::kDouble : at::kFloat);
   at::Tensor partial = at::empty({std::max<int64_t>(units, 1)}, opts);
-  at::Tensor first = at::zeros({n, 2}, opts.dtype(at::kLong));  // empty tensors keep 0 chunks
+  at::Tensor first = cuda::first_table(n, device);  // empty tensors keep 0 chunks
   at::Tensor per_tensor = at::empty({n}, opts);
   at::Tensor total = at::empty({}, opts);
 
@@ -84,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor> norm_cuda(const TensorList& tensors, bool max
         if (tensors[i].scalar_type() == dtype) order.push_back(i);
       }
       dispatch_float(dtype, "norm", [&](auto storage) {
-        using Op = NormOp<decltype(storage), out_t>;
+        using Op = cuda::NormOp<decltype(storage), out_t>;
         const Op op{partial.data_ptr<out_t>(), first.data_ptr<int64_t>(), max_norm};
         unit = cuda::apply_chunks<1>(lists, order, cuda::Elementwise<Op>{op}, unit);
       });

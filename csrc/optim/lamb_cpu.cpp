@@ -2,7 +2,8 @@
 // per-tensor sums of squares of the param (before the update) and of the update term u, taken in
 // the same pass and deterministically as norm_cpu does: each work item's partials go to its own
 // slot and are combined per tensor in item order, so the sums do not depend on the thread count.
-// Stage 2 recomputes u from p, m, v and applies the trust ratio; u is never stored.
+// Stage 2 recomputes u from p, m, v and applies the trust ratio; u is never stored. Stage 1 can
+// take the clip factor from the grads' sum of squares, stage 2 the sums of squares themselves.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
@@ -13,10 +14,45 @@
 
 namespace shardopt {
 
+namespace {
+
+// The grad multiplier of stage 1: grad_scale_t (1 if absent), or with grad_norm_sq_t and
+// max_grad_norm > 0 the clip factor times it (lamb::clip_scale, in the dtype of the sum).
+double clipped_grad_scale(const OptTensor& grad_scale_t, const OptTensor& grad_norm_sq_t,
+                          double max_grad_norm) {
+  if (!grad_norm_sq_t.has_value() || max_grad_norm <= 0) {
+    return cpu::scalar_or(grad_scale_t, 1.0);
+  }
+  const bool inv = grad_scale_t.has_value();
+  if (grad_norm_sq_t->scalar_type() == at::kDouble) {
+    return lamb::clip_scale<double>(grad_norm_sq_t->item<double>(), max_grad_norm, inv,
+                                    inv ? grad_scale_t->item<double>() : 1.0);
+  }
+  return static_cast<double>(lamb::clip_scale<float>(
+      grad_norm_sq_t->item<float>(), static_cast<float>(max_grad_norm), inv,
+      inv ? grad_scale_t->item<float>() : 1.0f));
+}
+
+// A per-tensor vector of norms as a contiguous fp64 copy; with `squared` it holds sums of squares,
+// whose square roots are taken in the vector's own precision (fp32 sums: an fp32 sqrt).
+at::Tensor norms_in_double(const at::Tensor& t, bool squared) {
+  at::Tensor out = t.to(at::kDouble, /*non_blocking=*/false, /*copy=*/squared).contiguous();
+  if (!squared) return out;
+  double* d = out.data_ptr<double>();
+  const bool fp32 = t.scalar_type() != at::kDouble;
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    d[i] = fp32 ? static_cast<double>(sqrt_of(static_cast<float>(d[i]))) : sqrt_of(d[i]);
+  }
+  return out;
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
     const TensorLists& lists, double beta1, double beta2, double eps, int64_t step,
     bool bias_correction, double weight_decay, bool grad_averaging, bool adam_w_mode,
-    const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t) {
+    const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t,
+    const OptTensor& grad_norm_sq_t, double max_grad_norm) {
   using namespace lamb;
   check_tensor_lists_no_out(lists, kStage1Depth, c10::DeviceType::CPU, "lamb_stage1");
   const int64_t n = static_cast<int64_t>(lists[0].size());
@@ -28,6 +64,7 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
   std::vector<double> w_part(items.size(), 0.0);
   std::vector<double> u_part(items.size(), 0.0);
   const double t = cpu::scalar_or(step_t, static_cast<double>(step));
+  const double grad_scale = clipped_grad_scale(grad_scale_t, grad_norm_sq_t, max_grad_norm);
   dispatch_types(
       lists[kGrad][0].scalar_type(), lists[kParam][0].scalar_type(), std::nullopt, "lamb_stage1",
       [&](auto types) {
@@ -37,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
         check_state_dtype<acc_t>(lists[kExpAvgSq], "lamb_stage1", "exp_avg_sq");
         const Hyper<acc_t> h = make_hyper<acc_t>(beta1, beta2, eps, t, bias_correction,
                                                  weight_decay, grad_averaging, adam_w_mode);
-        const acc_t gs = static_cast<acc_t>(cpu::scalar_or(grad_scale_t, 1.0));
+        const acc_t gs = static_cast<acc_t>(grad_scale);
         auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
         auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);
         auto m = cpu::pointers<acc_t>(lists[kExpAvg]);
@@ -81,15 +118,15 @@ void lamb_stage2_cpu(const TensorLists& lists, const at::Tensor& w_norm, const a
                      double lr, double beta1, double beta2, double eps, int64_t step,
                      bool bias_correction, double weight_decay, bool adam_w_mode,
                      bool use_nvlamb, const OptTensor& lr_t, const OptTensor& step_t,
-                     const OptTensor& found_inf_t) {
+                     const OptTensor& found_inf_t, bool squared) {
   using namespace lamb;
   check_tensor_lists(lists, kStage2Depth, c10::DeviceType::CPU, "lamb_stage2");
   const int64_t n = static_cast<int64_t>(lists[0].size());
   check_per_tensor(w_norm, lists[0].size(), "lamb_stage2", "w_norm");
   check_per_tensor(u_norm, lists[0].size(), "lamb_stage2", "u_norm");
   if (n == 0 || cpu::skip_step(found_inf_t)) return;
-  const at::Tensor wn = w_norm.to(at::kDouble).contiguous();
-  const at::Tensor un = u_norm.to(at::kDouble).contiguous();
+  const at::Tensor wn = norms_in_double(w_norm, squared);
+  const at::Tensor un = norms_in_double(u_norm, squared);
   const double* wnp = wn.data_ptr<double>();
   const double* unp = un.data_ptr<double>();
   const double lr_v = cpu::scalar_or(lr_t, lr);

@@ -3,16 +3,17 @@
 // param (before the update) and of the update term u: each (tensor, chunk) block reduces its chunk
 // in a fixed order and stores its partials at its work-unit ordinal, then reduce_kernel sums each
 // tensor's partials in order (block_reduce.cuh, as norm_cuda.cu): deterministic, no atomics. The
-// caller turns the sums into norms (all-reduced across shards, if need be); stage 2 recomputes u
-// from p, m, v and applies the trust ratio, so u never goes to memory. Device scalars are read
-// inside the kernels so a step never syncs with the host.
+// sums go to stage 2 as they are (all-reduced across shards, if need be), which takes their square
+// roots per block; stage 2 recomputes u from p, m, v and applies the trust ratio, so u never goes
+// to memory. Device scalars, and the clip factor stage 1 derives from the grads' sum of squares,
+// are read and computed inside the kernels so a step never syncs with the host.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
 #include "../kernels.h"
 #include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
-#include "../norm/block_reduce.cuh"
+#include "../norm/norm_op.cuh"
 #include "lamb_math.h"
 
 namespace shardopt {
@@ -45,6 +46,8 @@ struct Stage1Op : LambOpBase<typename Ty::acc_t> {
   acc_t* w_partial;  // one per work unit
   acc_t* u_partial;
   int64_t* first;  // per tensor: [first unit, number of chunks]
+  const float* grad_norm_sq_t = nullptr;  // clipping: the grads' sum of squares
+  float max_grad_norm = 0.f;
 
   struct Ctx {
     lamb::Hyper<acc_t> h;
@@ -55,10 +58,20 @@ struct Stage1Op : LambOpBase<typename Ty::acc_t> {
   __device__ bool reads(int) const { return true; }
   __device__ bool writes(int k) const { return k == lamb::kExpAvg || k == lamb::kExpAvgSq; }
 
+  // grad_scale_t (1 if absent), or with clipping the clip factor times it (lamb::clip_scale in
+  // fp32, the dtype of the sum)
+  __device__ acc_t grad_scale() const {
+    if (grad_norm_sq_t == nullptr) {
+      return static_cast<acc_t>(cuda::value_or(this->grad_scale_t, 1.0));
+    }
+    const bool inv = this->grad_scale_t != nullptr;
+    return static_cast<acc_t>(lamb::clip_scale<float>(*grad_norm_sq_t, max_grad_norm, inv,
+                                                      inv ? *this->grad_scale_t : 1.f));
+  }
+
   template <typename C>
   __device__ Ctx begin(const C&) const {
-    return {this->hyper(), static_cast<acc_t>(cuda::value_or(this->grad_scale_t, 1.0)), acc_t(0),
-            acc_t(0)};
+    return {this->hyper(), grad_scale(), acc_t(0), acc_t(0)};
   }
 
   __device__ void operator()(acc_t (&x)[Slots::kDepth], Ctx& ctx) const {
@@ -91,6 +104,7 @@ struct Stage2Op : LambOpBase<typename Ty::acc_t> {
   const float* u_norm;
   acc_t lr;
   bool use_nvlamb;
+  bool squared;  // w_norm and u_norm hold sums of squares
 
   struct Ctx {
     lamb::Hyper<acc_t> h;
@@ -106,8 +120,13 @@ struct Stage2Op : LambOpBase<typename Ty::acc_t> {
   __device__ Ctx begin(const C& c) const {
     const acc_t step_lr = this->lr_t != nullptr ? static_cast<acc_t>(*this->lr_t) : lr;
     const lamb::Hyper<acc_t> h = this->hyper();
-    return {h, lamb::trust_ratio_lr<acc_t>(step_lr, w_norm[c.tensor], u_norm[c.tensor],
-                                           h.weight_decay, use_nvlamb)};
+    float w = w_norm[c.tensor];
+    float u = u_norm[c.tensor];
+    if (squared) {  // in fp32, as torch's sqrt of the fp32 sums
+      w = sqrt_of(w);
+      u = sqrt_of(u);
+    }
+    return {h, lamb::trust_ratio_lr<acc_t>(step_lr, w, u, h.weight_decay, use_nvlamb)};
   }
 
   __device__ void operator()(acc_t (&x)[Slots::kDepth], const Ctx& ctx) const {
@@ -123,7 +142,8 @@ struct Stage2Op : LambOpBase<typename Ty::acc_t> {
 std::tuple<at::Tensor, at::Tensor> lamb_stage1_cuda(
     const TensorLists& lists, double beta1, double beta2, double eps, int64_t step,
     bool bias_correction, double weight_decay, bool grad_averaging, bool adam_w_mode,
-    const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t) {
+    const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t,
+    const OptTensor& grad_norm_sq_t, double max_grad_norm) {
   using namespace lamb;
   check_tensor_lists_no_out(lists, kStage1Depth, c10::DeviceType::CUDA, "lamb_stage1");
   const int64_t n = static_cast<int64_t>(lists[0].size());
@@ -149,10 +169,15 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cuda(
             c10::CppTypeToScalarType<acc_t>::value);
         const int64_t stride = std::max<int64_t>(units, 1);
         at::Tensor partial = at::empty({2, stride}, opts);
-        at::Tensor first = at::zeros({n, 2}, opts.dtype(at::kLong));  // 0 chunks until written
-        at::Tensor sums = at::empty({2, n}, opts);
         Stage1Op<Ty> op;
         op.set_scalars(device, "lamb_stage1", std::nullopt, step_t, grad_scale_t, found_inf_t);
+        if (max_grad_norm > 0) {
+          op.grad_norm_sq_t =
+              device_scalar(grad_norm_sq_t, device, "lamb_stage1", "grad_norm_sq_t");
+          op.max_grad_norm = static_cast<float>(max_grad_norm);
+        }
+        at::Tensor first = cuda::first_table(n, device);  // 0 chunks until written
+        at::Tensor sums = at::empty({2, n}, opts);
         op.set_hyper(beta1, beta2, eps, step, bias_correction, weight_decay, grad_averaging,
                      adam_w_mode);
         op.w_partial = partial.data_ptr<acc_t>();
@@ -176,7 +201,7 @@ void lamb_stage2_cuda(const TensorLists& lists, const at::Tensor& w_norm,
                       const at::Tensor& u_norm, double lr, double beta1, double beta2, double eps,
                       int64_t step, bool bias_correction, double weight_decay, bool adam_w_mode,
                       bool use_nvlamb, const OptTensor& lr_t, const OptTensor& step_t,
-                      const OptTensor& found_inf_t) {
+                      const OptTensor& found_inf_t, bool squared) {
   using namespace lamb;
   check_tensor_lists(lists, kStage2Depth, c10::DeviceType::CUDA, "lamb_stage2");
   if (lists[0].empty()) return;
@@ -196,6 +221,7 @@ void lamb_stage2_cuda(const TensorLists& lists, const at::Tensor& w_norm,
     op.u_norm = per_tensor_vector(u_norm, n, device, "lamb_stage2", "u_norm");
     op.lr = static_cast<acc_t>(lr);
     op.use_nvlamb = use_nvlamb;
+    op.squared = squared;
     cuda::apply_elementwise(lists, op);
   });
 }

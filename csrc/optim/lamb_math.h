@@ -72,6 +72,20 @@ SHARDOPT_HD T stage1(T p, T g, T& m, T& v, const Hyper<T>& h) {
   return update_term(p, m, v, h);
 }
 
+// The grad multiplier of the built-in clipping (docs/spec.md: no eps), from the sum of squares of
+// the grads as the kernel reads them and the optional inverse loss scale, in T (the dtype of the
+// sum): N = sqrt(norm_sq) (times inv_scale), factor = N > max_grad_norm ? max_grad_norm / N : 1,
+// times inv_scale. Each operation rounds to T in the order of the torch ops that computed it
+// before it moved into the kernels (max_grad_norm / N as reciprocal(N) * max_grad_norm), so the
+// kernels multiply the grads by the bits those ops gave. nan and inf norms compare false and true.
+template <typename T>
+SHARDOPT_HD T clip_scale(T norm_sq, T max_grad_norm, bool has_inv_scale, T inv_scale) {
+  T norm = sqrt_of(norm_sq);
+  if (has_inv_scale) norm = norm * inv_scale;
+  const T factor = norm > max_grad_norm ? (T(1) / norm) * max_grad_norm : T(1);
+  return has_inv_scale ? factor * inv_scale : factor;
+}
+
 // The per-tensor step size: lr * ||w|| / ||u|| when the trust ratio applies, else lr.
 template <typename T>
 SHARDOPT_HD T trust_ratio_lr(T lr, T w_norm, T u_norm, T weight_decay, bool use_nvlamb) {

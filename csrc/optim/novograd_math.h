@@ -1,7 +1,11 @@
-// NovoGrad element update (docs/spec.md "FusedNovoGrad"). The per-tensor second moment (a norm) is
-// updated outside the kernel on a small vector; the kernel receives it per tensor. Shared by
-// novograd_cpu.cpp and novograd_cuda.cu.
+// NovoGrad (docs/spec.md "FusedNovoGrad"): the per-tensor second-moment blend and the element
+// update. The second moment is one number per tensor (a norm), kept on a small vector: novograd
+// takes it already blended (the distributed class blends the all-reduced norms itself),
+// novograd_step takes the grads' norms in the same call and blends the vector in place before the
+// update. Shared by novograd_cpu.cpp and novograd_cuda.cu.
 #pragma once
+
+#include <string>
 
 #include "math_common.h"
 
@@ -51,6 +55,37 @@ Hyper<T> make_hyper(double lr, double beta1, double beta2, double eps, double t,
              static_cast<int>(moment_mode)};
   set_step(h, BiasCorrection{beta1, beta2, bias_correction}, t);
   return h;
+}
+
+// The second-moment blend of one tensor: its old v, its grad norm n (sqrt of the sum of squares,
+// or max |g|) and whether this is the param's first update.
+struct Blend {
+  double beta2;
+  bool l2;         // norm_type 2 (else 0, the infinity norm)
+  bool init_zero;  // the first update blends from v = 0 instead of starting at n
+
+  template <typename T>
+  SHARDOPT_HD T operator()(T v, T n, bool fresh) const {
+    // the constants and each operation round to T in the order of the torch ops this replaced
+    // (shardopt.optimizers.novograd.blend_second_moment), so both give the same bits
+    const T b2 = static_cast<T>(beta2);
+    const T one_minus_b2 = static_cast<T>(1.0 - beta2);
+    if (fresh) {
+      if (!init_zero) return n;
+      return l2 ? static_cast<T>(sqrt_of(1.0 - beta2)) * n : one_minus_b2 * n;
+    }
+    if (l2) {
+      const T old_sq = (b2 * v) * v;
+      const T new_sq = (one_minus_b2 * n) * n;
+      return sqrt_of(old_sq + new_sq);
+    }
+    return b2 * v + one_minus_b2 * n;
+  }
+};
+
+inline void check_norm_type(int64_t norm_type, const char* name) {
+  TORCH_CHECK(norm_type == 0 || norm_type == 2, name, ": norm_type must be 2 or 0, got ",
+              std::to_string(norm_type));
 }
 
 // denom = v / bc2_sqrt + eps, computed once per tensor by the caller.

@@ -4,8 +4,10 @@ The math is ``csrc/optim/lamb_math.h``. Stage 1 (moments) and stage 2 (trust rat
 separate calls so the per-tensor norms of the param and of the update term u can be summed across
 shards in between: ``lamb_stage1_apply`` returns per-tensor sums of squares of p and u taken in
 the moment pass, which ``DistributedFusedLAMB`` all-reduces and ``FusedLAMB`` uses as they are;
-stage 2 recomputes u from p, m and v instead of storing it. With the grad-norm pass for clipping,
-a step reads and writes 44 bytes per fp32 param (40 with ``max_grad_norm=0``).
+stage 2 takes their square roots and recomputes u from p, m and v instead of storing it. With the
+grad-norm pass for clipping, a step reads and writes 44 bytes per fp32 param (40 with
+``max_grad_norm=0``). ``FusedLAMB`` hands stage 1 the grads' sum of squares and lets the kernel
+compute the clip factor, so a step is three kernel calls and no tensor op between them.
 """
 
 from __future__ import annotations
@@ -48,14 +50,19 @@ def lamb_stage1_apply(
     exp_avg_sq: Sequence[torch.Tensor],
     *,
     step: int,
-    grad_scale_t: torch.Tensor,
+    grad_scale_t: torch.Tensor | None,
+    grad_norm_sq_t: torch.Tensor | None = None,
+    max_grad_norm: float = 0.0,
     as_is: bool = False,
     **scalars: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Moments; returns per-tensor sums of squares (of params, of update terms), same pass.
 
     ``params`` are read before the update (LAMB's ||w|| is taken before the step); the update
-    term is not stored: stage 2 recomputes it from the moments.
+    term is not stored: stage 2 recomputes it from the moments. Every grad is multiplied by
+    ``grad_scale_t`` and, given ``grad_norm_sq_t`` (the grads' sum of squares) and
+    ``max_grad_norm > 0``, by the clip factor, which the kernel computes on the device
+    (``clip_scale``'s rule and bits).
     """
     beta1, beta2 = group["betas"]
     return _ops.lamb_stage1(
@@ -71,6 +78,11 @@ def lamb_stage1_apply(
         grad_scale_t=grad_scale_t,
         step_t=scalars.get("step_t"),
         found_inf_t=scalars.get("found_inf_t"),
+        **(
+            {"grad_norm_sq_t": grad_norm_sq_t, "max_grad_norm": max_grad_norm}
+            if grad_norm_sq_t is not None and max_grad_norm > 0
+            else {}
+        ),
         **_ops.as_is_kwargs(as_is),
     )
 
@@ -91,14 +103,14 @@ def lamb_stage2_apply(
 ) -> None:
     """Trust ratio from the (fully reduced) per-tensor sums of squares, then the apply.
 
-    The update term is recomputed from ``params`` and the moments stage 1 left, with the same
-    ``step`` (or ``step_t``) and hyperparameters.
+    The kernel takes the square roots of the sums; the update term is recomputed from ``params``
+    and the moments stage 1 left, with the same ``step`` (or ``step_t``) and hyperparameters.
     """
     beta1, beta2 = group["betas"]
     _ops.lamb_stage2(
         [params, exp_avg, exp_avg_sq] + ([outs] if outs is not None else []),
-        w_sq.sqrt(),
-        u_sq.sqrt(),
+        w_sq,
+        u_sq,
         lr=lr,
         beta1=beta1,
         beta2=beta2,
@@ -111,6 +123,7 @@ def lamb_stage2_apply(
         lr_t=scalars.get("lr_t"),
         step_t=scalars.get("step_t"),
         found_inf_t=scalars.get("found_inf_t"),
+        squared=True,
         **_ops.as_is_kwargs(as_is),
     )
 
@@ -206,39 +219,31 @@ class FusedLAMB(FusedOptimizer):
             capturable=capturable,
             master_weights=master_weights,
         )
-        # this step's grad scale (clip coefficient x inverse loss scale), set by _before_step;
-        # a dict item, not an attribute: torch 2.11's Dynamo cannot trace a setattr on the
-        # optimizer inside a compiled step
+        # this step's sum of squares of all grads (for the clip factor stage 1 computes), set by
+        # _before_step; a dict item, not an attribute: torch 2.11's Dynamo cannot trace a setattr
+        # on the optimizer inside a compiled step
         self._step_tensors: dict[str, torch.Tensor] = {}
 
     def _before_step(self, work: list) -> None:
         if not work:
             return
-        grads = [g for w in work for g in w.grads]
-        if len({w.grads[0].device for w in work}) > 1:  # the global grad norm spans every group
+        if len(work) > 1 and len({w.grads[0].device for w in work}) > 1:
+            # the global grad norm spans every group
             all_params = [p for g in self.param_groups for p in g["params"]]
             _ops.check_param_devices(all_params, type(self).__name__)
-        device = grads[0].device
-        inv_scale = None
-        grad_scale = getattr(self, "grad_scale", None) if self.capturable else None
-        if grad_scale is not None:
-            inv_scale = grad_scale.to(device).float().reciprocal()
-        # max_grad_norm is read from the constructor defaults (Apex's behaviour).
-        max_grad_norm = self.defaults["max_grad_norm"]
-        if max_grad_norm > 0:
-            if all(w.plan is not None and w.plan.as_is for w in work):  # plain tensors
-                total_sq, _ = _ops.norm(grads, as_is=True)
-            elif dtensor.any_dtensor(grads):  # the norm of the full grads: shards' sums reduced
-                _, per = _ops.norm(grads)
-                total_sq = dtensor.reduce_per_tensor(per, grads).sum()
-            else:
-                total_sq, _ = _ops.norm(grads)
-            norm = total_sq.sqrt()
-            if inv_scale is not None:
-                norm = norm * inv_scale
-        else:  # no clipping: the pass over the grads for their norm is skipped
-            norm = torch.zeros(1, device=device)
-        self._step_tensors["grad_scale_t"] = clip_scale(norm, max_grad_norm, inv_scale)
+        # max_grad_norm is read from the constructor defaults (Apex's behaviour); 0: no clipping,
+        # and no pass over the grads for their norm
+        if self.defaults["max_grad_norm"] <= 0:
+            return
+        grads = [g for w in work for g in w.grads]
+        if all(w.plan is not None and w.plan.as_is for w in work):  # plain tensors
+            total_sq, _ = _ops.norm(grads, as_is=True)
+        elif dtensor.any_dtensor(grads):  # the norm of the full grads: shards' sums reduced
+            _, per = _ops.norm(grads)
+            total_sq = dtensor.reduce_per_tensor(per, grads).sum()
+        else:
+            total_sq, _ = _ops.norm(grads)
+        self._step_tensors["grad_norm_sq_t"] = total_sq
 
     def _group_tensors(self, group: dict, params: list) -> tuple:
         math_params, outs = self._masters(params)
@@ -249,7 +254,11 @@ class FusedLAMB(FusedOptimizer):
         math_params, outs, exp_avg, exp_avg_sq, sharded = tensors
         device = grads[0].device
         scalars = self._device_scalars(group, device)
-        scalars.pop("grad_scale_t", None)
+        grad_scale_t = scalars.pop("grad_scale_t", None)  # GradScaler's inverse scale
+        max_grad_norm = self.defaults["max_grad_norm"]
+        grad_norm_sq_t = self._step_tensors.get("grad_norm_sq_t") if max_grad_norm > 0 else None
+        if grad_norm_sq_t is not None and grad_norm_sq_t.device != device:  # groups on devices
+            grad_norm_sq_t = grad_norm_sq_t.to(device)
         step = self._step_scalar(group)
         w_sq, u_sq = lamb_stage1_apply(
             group,
@@ -258,7 +267,9 @@ class FusedLAMB(FusedOptimizer):
             exp_avg,
             exp_avg_sq,
             step=step,
-            grad_scale_t=self._step_tensors["grad_scale_t"].to(device),
+            grad_scale_t=grad_scale_t,
+            grad_norm_sq_t=grad_norm_sq_t,
+            max_grad_norm=max_grad_norm,
             as_is=as_is,
             **scalars,
         )

@@ -1,8 +1,11 @@
 """NovoGrad: the update rule and ``FusedNovoGrad`` (drop-in for apex.optimizers.FusedNovoGrad).
 
-The second moment is one number per tensor, kept as a norm. ``blend_second_moment`` updates those
-numbers on a small device vector (no host sync) and ``novograd_apply`` runs the per-element kernel
-(``csrc/optim/novograd_math.h``); both are shared with ``DistributedFusedNovoGrad``.
+The second moment is one number per tensor, kept as a norm, on a small device vector (no host
+sync). ``FusedNovoGrad`` makes one kernel call per step (``_ops.novograd_step``): the per-tensor
+grad norms, the blend of that vector in place and the per-element update
+(``csrc/optim/novograd_math.h``). ``blend_second_moment`` (the same blend as torch ops) and
+``novograd_apply`` (the update alone) serve ``DistributedFusedNovoGrad`` and DTensor params, whose
+norms are all-reduced between the two.
 """
 
 from __future__ import annotations
@@ -201,11 +204,40 @@ class FusedNovoGrad(FusedOptimizer):
 
     def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
         params, exp_avg, pos, fresh, sharded = tensors
+        if sharded:
+            self._apply_sharded(group, grads, tensors, as_is)
+            return
+        second = group["exp_avg_sq"]
+        v = second if pos is None else second.index_select(0, pos)
+        beta1, beta2 = group["betas"]
+        _ops.novograd_step(
+            [grads, params, exp_avg],
+            v,
+            fresh,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            step=self._step_scalar(group),
+            bias_correction=group["bias_correction"],
+            weight_decay=group["weight_decay"],
+            grad_averaging=group["grad_averaging"],
+            moment_mode=0 if group["reg_inside_moment"] else 1,
+            norm_type=group["norm_type"],
+            init_zero=group["init_zero"],
+            **self._lr_args(group, grads[0].device),
+            **_ops.as_is_kwargs(as_is),
+        )
+        if pos is not None:  # the kernel blended a copy of the group's entries
+            second.index_copy_(0, pos, v)
+
+    def _apply_sharded(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
+        """DTensor params: norms of the full grads from the shards' partial ones, then the blend
+        and the update of the local shards."""
+        params, exp_avg, pos, fresh, _ = tensors
         device = grads[0].device
         max_norm = group["norm_type"] == 0
         _, per = _ops.norm(grads, max_norm=max_norm, as_is=as_is)
-        if sharded:  # norms of the full grads from the shards' partial ones
-            per = dtensor.reduce_per_tensor(per, grads, "max" if max_norm else "sum")
+        per = dtensor.reduce_per_tensor(per, grads, "max" if max_norm else "sum")
         n = grad_norms(group["norm_type"], per.to(device))
         second = group["exp_avg_sq"]
         v = blend_second_moment(
