@@ -15,7 +15,6 @@ sizes 2 and 3.
 import contextlib
 import copy
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -215,27 +214,7 @@ CASES = [
 ]
 
 
-def main() -> int:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    failed = 0
-    for case in CASES:
-        try:
-            case(rank, world)
-            ok = True
-        except Exception:
-            ok = False
-            failed += 1
-            traceback.print_exc()
-        if rank == 0:
-            print(f"{'PASS' if ok else 'FAIL'} {case.__name__} ({backend}, world {world})")
-        dist.barrier()
-    dist.destroy_process_group()
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    import torchrun_cases  # tests/, beside this script
+
+    sys.exit(torchrun_cases.run(CASES))
