@@ -1,4 +1,4 @@
-"""_ops.adam_compact: Adam over compact state (docs/spec.md "Compact state formats").
+"""_compact_ops.adam_compact: Adam over compact state (docs/spec.md "Compact state formats").
 
 Every (grad dtype, master mode, state format) against the fp64 reference run on the state the
 kernel decodes (state_codec), bit parity with ``_ops.adam`` for fp32 state, skipped steps, device
@@ -11,7 +11,7 @@ import torch
 from compact_state import HYPER, Compact, make_grads
 from conftest import TOLERANCES
 
-from shardopt import _ops, reference
+from shardopt import _compact_ops, _ops, reference
 from shardopt import state_codec as sc
 
 GRADS = [
@@ -58,7 +58,7 @@ def _assert_step_matches_reference(state, grads, hyper, step):
             bc2=1 - b2**step if bc else 1.0,
         )
         want.append((p, m, v, slack))
-    _ops.adam_compact(state.lists(grads), step=step, state_format=state.fmt, **hyper)
+    _compact_ops.adam_compact(state.lists(grads), step=step, state_format=state.fmt, **hyper)
     got_p = state.masters()
     got_m, got_v = state.moments()
     step_m, step_v = state.steps()
@@ -124,7 +124,7 @@ def test_fp32_state_with_remainders_is_bit_identical_to_adam_with_a_bf16_out(
         step_t = torch.tensor([float(step)], device=device)
         scalars = dict(lr=0.0, step=0, lr_t=lr_t, step_t=step_t, grad_scale_t=scale_t, **hyper)
         _ops.adam([grads, masters, exp_avg, exp_avg_sq, outs], **scalars)
-        _ops.adam_compact(compact.lists(grads), state_format="fp32", **scalars)
+        _compact_ops.adam_compact(compact.lists(grads), state_format="fp32", **scalars)
         for i, master in enumerate(masters):
             assert torch.equal(compact.masters()[i].view(torch.int32), master.view(torch.int32))
             assert torch.equal(compact.exp_avg[i], exp_avg[i])
@@ -156,7 +156,7 @@ def test_fp32_state_is_bit_identical_to_adam(master, grad_dtype, device):
     for step in range(1, 6):
         grads = make_grads(sizes, grad_dtype, device, seed=step)
         _ops.adam([grads, params, exp_avg, exp_avg_sq], step=step, **HYPER)
-        _ops.adam_compact(compact.lists(grads), step=step, state_format="fp32", **HYPER)
+        _compact_ops.adam_compact(compact.lists(grads), step=step, state_format="fp32", **HYPER)
     for got, want in zip(
         compact.params + compact.exp_avg + compact.exp_avg_sq, params + exp_avg + exp_avg_sq
     ):
@@ -234,7 +234,7 @@ def test_blockwise_cuda_is_bit_identical_to_fp32_operations(options, master, fmt
             grads.append(g.to(torch.bfloat16 if step == 2 else torch.float32).to(device))
         grads[-1][:300] = 0.0
         want = _fp32_step(state, grads, hyper, step)
-        _ops.adam_compact(state.lists(grads), step=step, state_format=fmt, **hyper)
+        _compact_ops.adam_compact(state.lists(grads), step=step, state_format=fmt, **hyper)
         for i, expected in enumerate(want):
             got = [state.params[i]] + ([state.remainders[i]] if state.remainders else [])
             got += [state.exp_avg[i], state.exp_avg_scales[i]]
@@ -255,7 +255,9 @@ def test_found_inf_changes_nothing(master, fmt, device):
     before = state.snapshot()
     grads = make_grads(SIZES, torch.float32, device, 1)
     found_inf = torch.ones(1, device=device)
-    _ops.adam_compact(state.lists(grads), step=1, state_format=fmt, found_inf_t=found_inf, **HYPER)
+    _compact_ops.adam_compact(
+        state.lists(grads), step=1, state_format=fmt, found_inf_t=found_inf, **HYPER
+    )
     for a, b in zip(before, state.snapshot()):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -266,8 +268,10 @@ def test_device_scalars_equal_host_values(fmt, device):
     b = Compact(SIZES, "bf16+rem", fmt, device)
     grads = make_grads(SIZES, torch.float32, device, 1)
     hyper = {k: v for k, v in HYPER.items() if k != "lr"}
-    _ops.adam_compact(a.lists([g * 0.5 for g in grads]), lr=0.02, step=3, state_format=fmt, **hyper)
-    _ops.adam_compact(
+    _compact_ops.adam_compact(
+        a.lists([g * 0.5 for g in grads]), lr=0.02, step=3, state_format=fmt, **hyper
+    )
+    _compact_ops.adam_compact(
         b.lists(grads),
         lr=9.0,
         step=99,
@@ -297,8 +301,10 @@ def test_unaligned_views_give_the_bits_of_aligned_tensors(fmt, device):
     for name in ("params", "remainders", "exp_avg", "exp_avg_sq"):
         setattr(shifted, name, [offset(t) for t in getattr(shifted, name)])
     grads = make_grads(sizes, torch.bfloat16, device, 1)
-    _ops.adam_compact(aligned.lists(grads), step=1, state_format=fmt, **HYPER)
-    _ops.adam_compact(shifted.lists([offset(g) for g in grads]), step=1, state_format=fmt, **HYPER)
+    _compact_ops.adam_compact(aligned.lists(grads), step=1, state_format=fmt, **HYPER)
+    _compact_ops.adam_compact(
+        shifted.lists([offset(g) for g in grads]), step=1, state_format=fmt, **HYPER
+    )
     for x, y in zip(aligned.snapshot(), shifted.snapshot()):
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
@@ -312,7 +318,7 @@ def test_blockwise_is_deterministic_across_thread_counts(fmt):
         for n in (1, 2):
             torch.set_num_threads(n)
             state = Compact(sizes, "bf16+rem", fmt, torch.device("cpu"))
-            _ops.adam_compact(
+            _compact_ops.adam_compact(
                 state.lists(make_grads(sizes, torch.float32, "cpu", 1)),
                 step=1,
                 state_format=fmt,
@@ -425,7 +431,7 @@ def _bad_lists():
 def test_bad_input_raises(lists, fmt, error, match):
     hyper = dict(HYPER, step=1)
     with pytest.raises(error, match=match):
-        _ops.adam_compact(lists, state_format=fmt, **hyper)
+        _compact_ops.adam_compact(lists, state_format=fmt, **hyper)
 
 
 def test_kernel_checks_exp_avg_sq_dtype():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from compact_state import HYPER, Compact, make_grads
 
-from shardopt import _build, _ops
+from shardopt import _build, _compact_ops
 from shardopt import state_codec as sc
 
 
@@ -32,7 +32,7 @@ def test_the_kernels_encode_as_state_codec(fmt, device):
     state = Compact(sizes, "fp32", fmt, device)
     grads = [_codec_values(n, device) for n in sizes]
     hyper = dict(HYPER, lr=0.0, beta1=0.0, beta2=0.0)
-    _ops.adam_compact(state.lists(grads), step=1, state_format=fmt, **hyper)
+    _compact_ops.adam_compact(state.lists(grads), step=1, state_format=fmt, **hyper)
     for i, g in enumerate(grads):
         for x, signed, codes, scales in (
             (g, True, state.exp_avg, state.exp_avg_scales),
@@ -52,7 +52,7 @@ def test_the_kernels_encode_non_finite_blocks_as_state_codec(fmt, device):
     grads[0][600] = float("nan")
     state = Compact([n], "fp32", fmt, device)
     hyper = dict(HYPER, lr=0.0, beta1=0.0, beta2=0.0)
-    _ops.adam_compact(state.lists(grads), step=1, state_format=fmt, **hyper)
+    _compact_ops.adam_compact(state.lists(grads), step=1, state_format=fmt, **hyper)
     want_codes, want_scales = sc.encode(grads[0], fmt, signed=True)
     assert torch.equal(state.exp_avg[0].view(torch.uint8), want_codes.view(torch.uint8))
     assert torch.equal(state.exp_avg_scales[0].view(torch.int32), want_scales.view(torch.int32))
@@ -65,7 +65,7 @@ def test_the_kernels_decode_as_state_codec(fmt, device):
     state = Compact(sizes, "fp32", fmt, device)
     m0, v0 = state.moments()
     hyper = dict(HYPER, lr=0.0, beta1=1.0, beta2=1.0, bias_correction=False)
-    _ops.adam_compact(
+    _compact_ops.adam_compact(
         state.lists(make_grads(sizes, torch.float32, device, 1)), step=1, state_format=fmt, **hyper
     )
     for i in range(len(sizes)):
@@ -78,7 +78,7 @@ def test_nan_master_splits_to_a_quiet_nan_param(device):
     state = Compact([300], "bf16+rem", "fp32", device)
     grads = make_grads([300], torch.float32, device, 1)
     grads[0][7] = float("nan")
-    _ops.adam_compact(state.lists(grads), step=1, state_format="fp32", **HYPER)
+    _compact_ops.adam_compact(state.lists(grads), step=1, state_format="fp32", **HYPER)
     bits = state.params[0].view(torch.int16)[7].item() & 0xFFFF
     assert bits & 0x7FFF == 0x7FC0 and state.remainders[0][7].item() == 0
     assert torch.isfinite(state.params[0][8:]).all()

@@ -137,12 +137,12 @@ class DistributedFusedAdam(DistributedOptimizer):
     def _update_compact(self, group: dict, buf, call, scalars: StepScalars) -> None:
         """One kernel call over compact storage (see Note: compact storage in
         state_storage.py); a separate fp32 master's low-precision copy is written after it."""
-        from shardopt import _ops
+        from shardopt import _compact_ops
 
         masters = call.of(buf.master)
         scales = [call.blocks_of(buf.scales[n]) if buf.scales else [] for n in self.state_names]
         beta1, beta2 = group["betas"]
-        _ops.adam_compact(
+        _compact_ops.adam_compact(
             [
                 call.of(buf.grad_shard),
                 masters,
