@@ -106,7 +106,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         process_group = apex["process_group"]
         apex_compat.check_apex_groups(name, whole_group, process_group, redundant_process_group)
         super().__init__(params, defaults)
-        error, storage = None, None
+        error, storage, ub = None, None, None
         try:  # a setting wrong on one rank only must fail on every rank, not hang the others
             check_param_dtypes(self.param_groups, name)
             _check_settings(
@@ -121,15 +121,18 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 state_format=state_format,
                 supported=self.compact_storage,
             )
-            groups = [process_group] + [redundant_process_group] * bool(redundant_process_group)
             if apex["nccl_ub"]:
+                groups = [process_group]  # None: the default group
+                if redundant_process_group is not None:
+                    groups.append(redundant_process_group)
                 device = _ops.common_device([p for g in self.param_groups for p in g["params"]])
                 user_buffers.check(name, device, groups)
-                self._user_buffers = user_buffers.UserBuffers(name, device, groups)
+                ub = user_buffers.UserBuffers(name, device, groups)
         except (TypeError, ValueError, NotImplementedError) as e:
             error = e
         comm.raise_if_any(error, process_group)
-        ub = self._user_buffers if apex["nccl_ub"] else None
+        #: the NCCL-registered pool of ``nccl_ub=True`` (shardopt/zero/user_buffers.py), or None
+        self._user_buffers = ub
         self.process_group = process_group
         self.redundant_process_group = redundant_process_group
         self.config = ShardingConfig(
