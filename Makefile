@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # optional frameworks for tests/test_integrations_*.py (installed by default; INTEGRATIONS= skips them)
 INTEGRATIONS ?= 1
-INTEGRATIONS_SPEC ?= transformers>=4.57 accelerate>=1.10 lightning>=2.5
+INTEGRATIONS_SPEC ?= "transformers>=4.57" "accelerate>=1.10" "lightning>=2.5"
 
 .PHONY: deps setup train test test-multinode test-gpu dist-check bench scaling lint clean
 
