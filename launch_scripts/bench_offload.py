@@ -1,0 +1,433 @@
+"""CPU offload side by side on one GPU: shardopt's offload against no offload and the peers.
+
+    python launch_scripts/bench_offload.py --out bench_offload.json             # 1.4B and 2.8B
+    python launch_scripts/bench_offload.py --width 2048 --depth 24 --clip on
+    python launch_scripts/bench_offload.py --largest --budget-s 300 --out largest.json
+    python launch_scripts/bench_offload.py --device cpu --width 64 --depth 2 --seq 32 --vocab 128
+
+Per model size (``--sizes`` WIDTHxDEPTH, or ``--width`` and ``--depth``) every contender of
+bench_offload_peers.py runs in a fresh subprocess (bench_offload_worker.py), with and without
+grad clipping (max norm 1.0) in the same process (``offload_auto``: one process per setting,
+its fraction is picked from the schedule it sees). Batch 4 x 2048 tokens, random tokens, AdamW.
+Printed: a markdown table (step ms, ratio against no offload and against DeepSpeed's offload at
+the same clip setting, GPU peak, host RSS, host bytes per param, tokens/s) and the full-offload
+target: step <= 1.1x max(forward+backward, CPU update). A contender that cannot run here prints
+one line "skipped: <reason>" and the others run; ``--budget-s`` bounds the whole run (contenders
+and attempts that no longer fit are recorded as skipped).
+
+``--largest``: per contender of ``--largest-contenders`` the largest GPT at ``--largest-width``
+that trains (bench_offload_search.py), with activation checkpointing and batch
+``--largest-batch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_common import environment, write_json
+from bench_offload_peers import CONTENDERS, GPU_ONLY, TIMING_ONLY, count_params, model_config
+from bench_offload_search import largest_table, markdown, search
+from bench_offload_worker import RESULT_PREFIX, Spec, measure
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONTENDERS = [c for c in CONTENDERS if c != "offload_compact"]
+#: seconds a contender needs at the least to be worth starting
+MIN_CONTENDER_S = 20.0
+
+
+class Runner:
+    """Runs workers (subprocesses, or in this process with ``in_process``) under one deadline."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.in_process = args.in_process
+        self.log_dir = Path(args.log_dir) if args.log_dir else None
+        self.timeout_s = args.contender_timeout_s
+        budget = args.budget_s if args.budget_s is not None else float("inf")
+        self.deadline = time.monotonic() + budget
+        self.count = 0
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def __call__(self, spec: Spec, timeout_s: float | None = None) -> dict[str, Any]:
+        timeout = min(timeout_s or self.timeout_s, self.left_s())
+        base = {"contender": spec.contender, "width": spec.width, "depth": spec.depth}
+        if timeout < MIN_CONTENDER_S:
+            return {**base, "skipped": "time budget spent"}
+        self.count += 1
+        if self.in_process:
+            return {**measure(spec), "in_process": True}
+        log = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            clips = "".join("c" if c else "n" for c in spec.clips)
+            log = (
+                self.log_dir
+                / f"{self.count:02d}_{spec.contender}_{spec.width}x{spec.depth}_{clips}.log"
+            )
+        cmd = [
+            sys.executable,
+            str(HERE / "bench_offload_worker.py"),
+            json.dumps(dataclasses.asdict(spec)),
+        ]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            self._log(log, e.stdout, e.stderr)
+            return {**base, "error": f"timed out after {timeout:.0f} s"}
+        self._log(log, proc.stdout, proc.stderr)
+        for line in reversed(proc.stdout.splitlines()):
+            if line.startswith(RESULT_PREFIX):
+                return json.loads(line[len(RESULT_PREFIX) :])
+        tail = (proc.stderr or "").strip().splitlines()[-1:] or [""]
+        if proc.returncode < 0:
+            why = f"killed by signal {-proc.returncode} (the host's OOM killer sends 9)"
+        else:
+            why = f"exit code {proc.returncode}: {tail[0]}"
+        return {**base, "error": why}
+
+    @staticmethod
+    def _log(path: Path | None, stdout: Any, stderr: Any) -> None:
+        if path is None:
+            return
+
+        def text(x: Any) -> str:
+            return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+        path.write_text(text(stdout) + "\n--- stderr ---\n" + text(stderr))
+
+
+# -- one size -------------------------------------------------------------------------------------
+
+
+def worker_specs(name: str, args: argparse.Namespace, width: int, depth: int) -> list[Spec]:
+    """The worker processes of contender ``name`` (one per clip setting for ``offload_auto``)."""
+    base = Spec(
+        contender=name,
+        device=args.device,
+        width=width,
+        depth=depth,
+        vocab=args.vocab,
+        seq=args.seq,
+        batch=args.batch,
+        warmup=args.auto_warmup if name == "offload_auto" else args.warmup,
+        steps=args.steps,
+        clips=(False,) if name in TIMING_ONLY else args.clips,
+        max_norm=args.max_norm,
+        threads=args.threads,
+        checkpointing=args.checkpointing,
+    )
+    if name == "offload_auto" and len(base.clips) > 1:
+        return [dataclasses.replace(base, clips=(c,)) for c in base.clips]
+    return [base]
+
+
+def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's record from its workers' (the phases of all, the rest of the first)."""
+    if len(records) == 1:
+        return records[0]
+    merged = dict(records[0])
+    merged["phases"] = [p for r in records for p in r.get("phases", [])]
+    merged["workers"] = records
+    return merged
+
+
+def run_size(args: argparse.Namespace, runner: Runner, width: int, depth: int) -> dict[str, Any]:
+    cfg = model_config(width, depth, args.vocab, args.seq)
+    result: dict[str, Any] = {
+        "width": width,
+        "depth": depth,
+        "heads": cfg.n_head,
+        "params": count_params(cfg),
+        "contenders": {},
+    }
+    args.report.setdefault("sizes", []).append(result)  # written after each contender
+    print(f"\n## GPT {width} x {depth} ({result['params'] / 1e9:.2f}B params)", flush=True)
+    for name in args.contenders:
+        if name in GPU_ONLY and args.device != "cuda":
+            record = {"contender": name, "skipped": f"{name} needs a CUDA device"}
+        else:
+            records = []
+            for spec in worker_specs(name, args, width, depth):
+                records.append(runner(spec))
+                if "skipped" in records[-1]:  # the next clip setting would skip alike
+                    break
+            record = merge(records)
+        result["contenders"][name] = record
+        print(f"{name}: {one_line(record)}", flush=True)
+        if args.out:
+            write_json(args.out, args.report)
+    result["target"] = full_offload_target(result["contenders"])
+    print(table(result["contenders"]))
+    for line in result["target"]["lines"]:
+        print(line)
+    return result
+
+
+def one_line(record: dict[str, Any]) -> str:
+    if "skipped" in record:
+        return f"skipped: {record['skipped']}"
+    if "error" in record:
+        return f"FAILED {record['error']}"
+    parts = []
+    for p in record["phases"]:
+        label = "clip" if p["clip"] else "no clip"
+        parts.append(f"{label} {p['step_ms']:.1f} ms" if "step_ms" in p else f"{label} skipped")
+    labels = {"gpu_peak_gib": "GPU peak", "host_peak_rss_gib": "host RSS peak"}
+    mem = [f"{label} {record[k]:.1f} GiB" for k, label in labels.items() if k in record]
+    return ", ".join(parts + mem)
+
+
+def step_ms(records: dict[str, Any], name: str, clip: bool) -> float | None:
+    for p in records.get(name, {}).get("phases", []):
+        if p.get("clip") == clip and "step_ms" in p:
+            return p["step_ms"]
+    return None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def table(records: dict[str, Any]) -> str:
+    """The markdown table of one size: a row per contender and clip setting."""
+    headers = [
+        "contender", "clip", "step ms", "vs no offload", "vs DeepSpeed offload",
+        "GPU peak GiB", "host RSS GiB", "host B/param", "tokens/s",
+    ]  # fmt: skip
+    rows = []
+    for name, r in records.items():
+        for p in r.get("phases", []):
+            if "step_ms" not in p:
+                continue
+            clip = p["clip"]
+            rows.append(
+                [
+                    name,
+                    "-" if name in TIMING_ONLY else ("on" if clip else "off"),
+                    p["step_ms"],
+                    ratio(p["step_ms"], step_ms(records, "no_offload", clip)),
+                    ratio(p["step_ms"], step_ms(records, "deepspeed_offload", clip)),
+                    r.get("gpu_peak_gib"),
+                    r.get("host_peak_rss_gib"),
+                    r.get("host_bytes_per_param"),
+                    None if name in TIMING_ONLY else p.get("tokens_per_s"),
+                ]
+            )
+    text = markdown(headers, rows)
+    notes = []
+    for name, r in records.items():
+        if "skipped" in r or "error" in r:
+            notes.append(
+                f"- {name}: "
+                + (f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['error']}")
+            )
+        notes += [
+            f"- {name} (clip): skipped: {p['skipped']}"
+            for p in r.get("phases", [])
+            if "skipped" in p
+        ]
+    return text + ("\n" + "\n".join(notes) if notes else "")
+
+
+def full_offload_target(records: dict[str, Any]) -> dict[str, Any]:
+    """Step of each offload contender against 1.1x max(forward+backward, CPU update), and full
+    offload against DeepSpeed's offload with clipping."""
+    fwd_bwd = step_ms(records, "fwd_bwd", False)
+    update = step_ms(records, "cpu_update", False)
+    floor = max(fwd_bwd, update) if fwd_bwd is not None and update is not None else None
+    out: dict[str, Any] = {"fwd_bwd_ms": fwd_bwd, "cpu_update_ms": update, "floor_ms": floor}
+    lines = []
+    if floor is not None:
+        lines.append(
+            f"max(forward+backward {fwd_bwd:.1f} ms, CPU update {update:.1f} ms) = {floor:.1f} ms"
+        )
+    for name in ("offload", "offload_auto", "offload_compact"):
+        for clip in (False, True):
+            ms = step_ms(records, name, clip)
+            if ms is None or floor is None:
+                continue
+            out[f"{name}_clip{int(clip)}_over_floor"] = ms / floor
+            lines.append(
+                f"{name} (clip {'on' if clip else 'off'}): {ms:.1f} ms = {ms / floor:.2f}x that"
+                + (" (target without clipping: <= 1.1x)" if name == "offload" and not clip else "")
+            )
+    ds = step_ms(records, "deepspeed_offload", True)
+    ours = step_ms(records, "offload", True)
+    if ds is not None and ours is not None:
+        out["offload_over_deepspeed_clip"] = ours / ds
+        lines.append(
+            f"offload / DeepSpeed offload, clipping on: {ours / ds:.2f}x (target <= 0.45x)"
+        )
+    out["lines"] = lines
+    return out
+
+
+# -- largest --------------------------------------------------------------------------------------
+
+
+def run_largest(args: argparse.Namespace, runner: Runner) -> list[dict[str, Any]]:
+    print(f"\n## Largest GPT that trains (width {args.largest_width})", flush=True)
+    results = []
+    names = args.largest_contenders
+    for i, name in enumerate(names):
+        if name in GPU_ONLY and args.device != "cuda":
+            results.append({"contender": name, "width": args.largest_width, "stopped": "skipped",
+                            "largest": None, "first_failure": None, "attempts": [],
+                            "skipped": f"{name} needs a CUDA device"})  # fmt: skip
+            print(f"{name}: skipped: {name} needs a CUDA device")
+            continue
+        share = runner.left_s() / (len(names) - i)
+        base = Spec(
+            contender=name,
+            device=args.device,
+            width=args.largest_width,
+            depth=1,
+            vocab=args.vocab,
+            seq=args.seq,
+            batch=args.largest_batch,
+            warmup=0,
+            steps=args.largest_steps,
+            clips=(True,),
+            max_norm=args.max_norm,
+            threads=args.threads,
+            checkpointing=True,
+        )
+        start = args.largest_start.get(name, args.largest_start.get("*", 32))
+        results.append(
+            search(
+                base,
+                runner,
+                start=start,
+                step=args.largest_step,
+                max_depth=args.largest_max_depth,
+                resolution=args.largest_resolution,
+                deadline=time.monotonic() + share,
+                attempt_timeout_s=args.attempt_timeout_s,
+            )
+        )
+        if args.out:
+            args.report["largest"] = results
+            write_json(args.out, args.report)
+    print(largest_table(results))
+    return results
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--device", choices=["cuda", "cpu"], default=None, help="default: cuda if present"
+    )
+    p.add_argument(
+        "--sizes", default="2048x24,2560x32", help="model sizes, WIDTHxDEPTH, comma-separated"
+    )
+    p.add_argument(
+        "--width", type=int, default=None, help="with --depth: one size instead of --sizes"
+    )
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument(
+        "--contenders", default=",".join(DEFAULT_CONTENDERS), help=f"from {','.join(CONTENDERS)}"
+    )
+    p.add_argument("--clip", choices=["off", "on", "both"], default="both", help="grad clipping")
+    p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per clip setting")
+    p.add_argument("--auto-warmup", type=int, default=5, help="untimed steps of offload_auto")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per clip setting")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing per block"
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="wall-clock budget of the whole run"
+    )
+    p.add_argument("--contender-timeout-s", type=float, default=300)
+    p.add_argument("--in-process", action="store_true", help="no subprocesses (memory numbers mix)")
+    p.add_argument("--log-dir", default=None, help="each worker's output goes to a file here")
+    p.add_argument("--out", default=None, help="JSON results (rewritten after each contender)")
+    p.add_argument("--largest", action="store_true", help="the largest-model search instead")
+    p.add_argument("--largest-width", type=int, default=4096)
+    p.add_argument("--largest-contenders", default="offload,offload_compact,deepspeed_offload")
+    p.add_argument("--largest-start", default="offload=44,offload_compact=64,deepspeed_offload=24",
+                   help="first depth per contender (NAME=DEPTH, '*=' for the rest)")  # fmt: skip
+    p.add_argument("--largest-step", type=int, default=8, help="depth step before bisecting")
+    p.add_argument("--largest-resolution", type=int, default=2, help="bisect down to this gap")
+    p.add_argument("--largest-max-depth", type=int, default=256)
+    p.add_argument("--largest-batch", type=int, default=1)
+    p.add_argument("--largest-steps", type=int, default=2, help="steps an attempt must train")
+    p.add_argument("--attempt-timeout-s", type=float, default=240)
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch sees no CUDA device")
+    if (args.width is None) != (args.depth is None):
+        p.error("--width and --depth go together")
+    sizes = [(args.width, args.depth)] if args.width else []
+    if not sizes:
+        try:
+            sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",") if s]
+        except ValueError:
+            p.error(f"--sizes {args.sizes!r}: expected WIDTHxDEPTH[,WIDTHxDEPTH...]")
+    args.size_list = sizes
+    args.clips = {"off": (False,), "on": (True,), "both": (False, True)}[args.clip]
+    for flag in ("contenders", "largest_contenders"):
+        names = [c for c in getattr(args, flag).split(",") if c]
+        bad = [c for c in names if c not in CONTENDERS]
+        if bad:
+            p.error(
+                f"--{flag.replace('_', '-')}: unknown {bad}; choose from {', '.join(CONTENDERS)}"
+            )
+        setattr(args, flag, names)
+    try:
+        args.largest_start = {
+            k: int(v) for k, v in (kv.split("=") for kv in args.largest_start.split(",") if kv)
+        }
+    except ValueError:
+        p.error(f"--largest-start {args.largest_start!r}: expected NAME=DEPTH,...")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    env = environment(torch.device(args.device))
+    env["offload_threads_env"] = {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}
+    args.report = {
+        "environment": env,
+        "args": {k: v for k, v in vars(args).items() if k != "report"},
+    }
+    print(
+        f"{env['date']}  {env['device_name']}  torch {env['torch']}  commit {env['commit']}  "
+        f"{env['cpu_count']} CPUs; batch {args.batch} x {args.seq} tokens, "
+        f"{args.warmup} warm-up + {args.steps} timed steps",
+        flush=True,
+    )
+    runner = Runner(args)
+    if args.largest:
+        args.report["largest"] = run_largest(args, runner)
+    else:
+        args.report["sizes"] = []
+        for width, depth in args.size_list:
+            run_size(args, runner, width, depth)
+    write_json(args.out, args.report)
+    return args.report
+
+
+if __name__ == "__main__":
+    main()
