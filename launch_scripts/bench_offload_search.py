@@ -66,7 +66,7 @@ def search(
         attempts.append(summary)
         print(
             f"  {base.contender} width {base.width} depth {depth} "
-            f"({(summary['params'] or 0) / 1e9:.2f}B): "
+            f"({billions(summary['params'] or 0)}): "
             + ("trained" if ok else f"failed: {summary['why']}"),
             flush=True,
         )
@@ -86,7 +86,10 @@ def search(
         if first is None:
             stopped = "time budget spent before the first attempt"
         elif first:
-            while depth + step <= max_depth:
+            while True:
+                if depth + step > max_depth:
+                    stopped = f"trained up to the depth limit ({max_depth} blocks)"
+                    break
                 depth += step
                 got = attempt(depth)
                 if got is None:
@@ -143,17 +146,21 @@ def largest_table(results: list[dict[str, Any]]) -> str:
                 r["contender"],
                 r["width"],
                 f"{best['depth']} blocks" if best else "none",
-                f"{best['params'] / 1e9:.2f}B" if best else "-",
+                billions(best["params"]) if best else "-",
                 best.get("step_ms"),
                 best.get("gpu_peak_gib"),
                 best.get("host_peak_rss_gib"),
                 best.get("host_bytes_per_param"),
-                f"{fail['depth']} blocks ({fail['params'] / 1e9:.2f}B): {fail['why']}"
+                f"{fail['depth']} blocks ({billions(fail['params'])}): {fail['why']}"
                 if fail and fail.get("params")
                 else (r.get("stopped") or "-"),
             ]
         )
     return markdown(headers, rows)
+
+
+def billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
 def markdown(headers: list[str], rows: list[list[Any]]) -> str:
