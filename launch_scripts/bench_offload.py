@@ -364,7 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--largest", action="store_true", help="the largest-model search instead")
     p.add_argument("--largest-width", type=int, default=4096)
     p.add_argument("--largest-contenders", default="offload,offload_compact,deepspeed_offload")
-    p.add_argument("--largest-start", default="offload=44,offload_compact=64,deepspeed_offload=24",
+    p.add_argument("--largest-start", default="offload=44,offload_compact=100,deepspeed_offload=24",
                    help="first depth per contender (NAME=DEPTH, '*=' for the rest)")  # fmt: skip
     p.add_argument("--largest-step", type=int, default=8, help="depth step before bisecting")
     p.add_argument("--largest-resolution", type=int, default=2, help="bisect down to this gap")
