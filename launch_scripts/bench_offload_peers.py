@@ -99,7 +99,11 @@ class _LossOnly(nn.Module):
     def __init__(self, model: GPT) -> None:
         super().__init__()
         self.model = model
-        self.blocks = model.blocks
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The GPT's blocks (a property: registered once, under ``model``)."""
+        return self.model.blocks
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.model(idx, targets)[1]
@@ -302,13 +306,9 @@ def model_dtype(name: str) -> torch.dtype:
     return torch.float32 if name in ("torch_fused", "fsdp2_offload") else torch.bfloat16
 
 
-def build(
-    name: str, cfg: GPTConfig, device: torch.device, batch: int, checkpointing: bool = False
-) -> Trainer:
-    """The trainer of contender ``name`` over a new GPT of ``cfg`` (not ``cpu_update``)."""
-    if name in GPU_ONLY and device.type != "cuda":
-        raise Skipped(f"{name} needs a CUDA device")
-    # a missing package is found before the model is made
+def preimport(name: str) -> None:
+    """Imports the peer's package (a missing one is found before any model is made, and its
+    import's host memory is not counted as the contender's)."""
     if name == "torchao_offload":
         try:
             import torchao.optim  # noqa: F401
@@ -319,6 +319,15 @@ def build(
             import deepspeed  # noqa: F401
         except ImportError as e:
             raise Skipped(f"deepspeed does not import: {e}") from e
+
+
+def build(
+    name: str, cfg: GPTConfig, device: torch.device, batch: int, checkpointing: bool = False
+) -> Trainer:
+    """The trainer of contender ``name`` over a new GPT of ``cfg`` (not ``cpu_update``)."""
+    if name in GPU_ONLY and device.type != "cuda":
+        raise Skipped(f"{name} needs a CUDA device")
+    preimport(name)
     model = build_model(cfg, device, model_dtype(name), checkpointing)
     if name == "fwd_bwd":
         return _fwd_bwd(model)

@@ -39,6 +39,7 @@ from bench_offload_peers import (  # noqa: E402
     count_params,
     model_config,
     offload_record,
+    preimport,
 )
 
 RESULT_PREFIX = "BENCH_RESULT "
@@ -197,6 +198,8 @@ def run_trainer(spec: Spec, device: torch.device) -> dict[str, Any]:
 def measure(spec: Spec) -> dict[str, Any]:
     """Builds and measures ``spec.contender``; a record with ``skipped`` or ``error`` on failure."""
     device = torch.device(spec.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)  # (torch.cuda.set_device needs an index)
     cfg = model_config(spec.width, spec.depth, spec.vocab, spec.seq)
     n_params = count_params(cfg)
     base: dict[str, Any] = {
@@ -211,9 +214,13 @@ def measure(spec: Spec) -> dict[str, Any]:
     base["threads"] = torch.get_num_threads()
     try:
         import_shardopt()
-        init_process_group(backend_for(spec.contender, device))
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        init_process_group(backend_for(spec.contender, device))
+        preimport(spec.contender)
+        # the CUDA context and the communicator exist before the host memory baseline
+        dist.all_reduce(torch.zeros(1, device=device))
+        if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         rss_start = host_rss_bytes()["VmRSS"]
         base["peak_rss_reset"] = reset_peak_rss()

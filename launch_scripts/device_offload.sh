@@ -16,7 +16,17 @@
 # Logs and per-worker logs are packed into $OUT/offload.tgz; the JSON results and summary.md
 # (every printed table) are copied to $OUT.
 #   device tool: run(command="bash launch_scripts/device_offload.sh", carry=[".whl"])
-# Make the wheels here (Python 3.12, no network there): see docs/benchmarks.md, CPU offload.
+# The wheels (Python 3.12 there, no network), made here in the repository root:
+#   python -m venv --system-site-packages /tmp/dsvenv && /tmp/dsvenv/bin/pip install wheel
+#   /tmp/dsvenv/bin/pip wheel deepspeed==0.19.8 --no-deps --no-build-isolation -w .whl
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types typing-inspection \
+#     typing-extensions
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation py \
+#     --platform any -d .whl torchao==0.18.0     # pure Python: its CPUOffloadOptimizer needs no C++ op
+# (the image has DeepSpeed's other requirements: einops, msgpack, ninja, numpy, packaging, psutil,
+# py-cpuinfo, tqdm; typing-extensions is carried because pydantic needs >= 4.15)
 set -uo pipefail
 START=$SECONDS
 BUDGET_S=${BUDGET_S:-520}
