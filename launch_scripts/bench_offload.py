@@ -23,9 +23,11 @@ that trains (bench_offload_search.py), with activation checkpointing and batch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -54,6 +56,7 @@ class Runner:
         budget = args.budget_s if args.budget_s is not None else float("inf")
         self.deadline = time.monotonic() + budget
         self.count = 0
+        self.worker: subprocess.Popen | None = None
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -79,21 +82,37 @@ class Runner:
             str(HERE / "bench_offload_worker.py"),
             json.dumps(dataclasses.asdict(spec)),
         ]
+        # its own process group, so that a timeout also ends what it started (DeepSpeed's op
+        # build); the same session, so that whatever ends this run ends it too
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0
+        )
+        self.worker = proc
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            self._log(log, e.stdout, e.stderr)
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_worker()
+            stdout, stderr = proc.communicate()
+            self._log(log, stdout, stderr)
             return {**base, "error": f"timed out after {timeout:.0f} s"}
-        self._log(log, proc.stdout, proc.stderr)
-        for line in reversed(proc.stdout.splitlines()):
+        finally:
+            self.worker = None
+        self._log(log, stdout, stderr)
+        for line in reversed(stdout.splitlines()):
             if line.startswith(RESULT_PREFIX):
                 return json.loads(line[len(RESULT_PREFIX) :])
-        tail = (proc.stderr or "").strip().splitlines()[-1:] or [""]
+        tail = (stderr or "").strip().splitlines()[-1:] or [""]
         if proc.returncode < 0:
             why = f"killed by signal {-proc.returncode} (the host's OOM killer sends 9)"
         else:
             why = f"exit code {proc.returncode}: {tail[0]}"
         return {**base, "error": why}
+
+    def kill_worker(self) -> None:
+        """Ends the running worker's process group (the worker and what it started)."""
+        if self.worker is not None and self.worker.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.worker.pid, signal.SIGKILL)
 
     @staticmethod
     def _log(path: Path | None, stdout: Any, stderr: Any) -> None:
@@ -414,11 +433,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(
         f"{env['date']}  {env['device_name']}  torch {env['torch']}  commit {env['commit']}  "
-        f"{env['cpu_count']} CPUs; batch {args.batch} x {args.seq} tokens, "
-        f"{args.warmup} warm-up + {args.steps} timed steps",
+        f"{env['cpu_count']} CPUs; "
+        + (
+            f"batch {args.largest_batch} x {args.seq} tokens, {args.largest_steps} steps an attempt"
+            if args.largest
+            else f"batch {args.batch} x {args.seq} tokens, {args.warmup} warm-up + {args.steps} "
+            "timed steps"
+        ),
         flush=True,
     )
     runner = Runner(args)
+
+    def terminated(signum: int, frame: Any) -> None:  # `timeout` ends this run: the worker too
+        runner.kill_worker()
+        write_json(args.out, args.report)
+        sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        run_all(args, runner)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return args.report
+
+
+def run_all(args: argparse.Namespace, runner: Runner) -> None:
+    """The largest-model search, or every size's contenders."""
     if args.largest:
         args.report["largest"] = run_largest(args, runner)
     else:
@@ -426,7 +466,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for width, depth in args.size_list:
             run_size(args, runner, width, depth)
     write_json(args.out, args.report)
-    return args.report
 
 
 if __name__ == "__main__":

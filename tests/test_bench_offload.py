@@ -77,6 +77,15 @@ def test_worker_failure_is_a_record(tmp_path):
     assert "Traceback" in log and "BENCH_RESULT" in log
 
 
+def test_worker_timeout_ends_its_process_group(monkeypatch):
+    monkeypatch.setattr(bench_offload, "MIN_CONTENDER_S", 0.1)
+    runner = bench_offload.Runner(bench_offload.parse_args(TINY))
+    start = time.monotonic()
+    record = runner(Spec(contender="no_offload", device="cpu", width=64, depth=2), timeout_s=1.0)
+    assert record["error"] == "timed out after 1 s"
+    assert time.monotonic() - start < 10 and runner.worker is None
+
+
 def test_budget_spent_skips():
     args = bench_offload.parse_args([*TINY, "--budget-s", "0"])
     record = bench_offload.Runner(args)(
