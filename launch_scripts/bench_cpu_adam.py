@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import environment, import_shardopt, write_json  # noqa: E402
-from bench_offload_search import markdown  # noqa: E402
+from bench_offload_report import markdown  # noqa: E402
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 BYTES_PER_PARAM = {

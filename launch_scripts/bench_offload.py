@@ -15,6 +15,9 @@ target: step <= 1.1x max(forward+backward, CPU update). A contender that cannot 
 one line "skipped: <reason>" and the others run; ``--budget-s`` bounds the whole run (contenders
 and attempts that no longer fit are recorded as skipped).
 
+Modules: bench_offload_peers.py (the contenders), bench_offload_worker.py (one contender in one
+process), bench_offload_search.py (``--largest``), bench_offload_report.py (tables, targets).
+
 ``--largest``: per contender of ``--largest-contenders`` the largest GPT at ``--largest-width``
 that trains (bench_offload_search.py), with activation checkpointing and batch
 ``--largest-batch``.
@@ -37,7 +40,8 @@ from typing import Any
 import torch
 from bench_common import environment, write_json
 from bench_offload_peers import CONTENDERS, GPU_ONLY, TIMING_ONLY, count_params, model_config
-from bench_offload_search import largest_table, markdown, search
+from bench_offload_report import full_offload_target, largest_table, one_line, table
+from bench_offload_search import search
 from bench_offload_worker import RESULT_PREFIX, Spec, measure
 
 HERE = Path(__file__).resolve().parent
@@ -190,105 +194,6 @@ def run_size(args: argparse.Namespace, runner: Runner, width: int, depth: int) -
     for line in result["target"]["lines"]:
         print(line)
     return result
-
-
-def one_line(record: dict[str, Any]) -> str:
-    if "skipped" in record:
-        return f"skipped: {record['skipped']}"
-    if "error" in record:
-        return f"FAILED {record['error']}"
-    parts = []
-    for p in record["phases"]:
-        label = "clip" if p["clip"] else "no clip"
-        parts.append(f"{label} {p['step_ms']:.1f} ms" if "step_ms" in p else f"{label} skipped")
-    labels = {"gpu_peak_gib": "GPU peak", "host_peak_rss_gib": "host RSS peak"}
-    mem = [f"{label} {record[k]:.1f} GiB" for k, label in labels.items() if k in record]
-    return ", ".join(parts + mem)
-
-
-def step_ms(records: dict[str, Any], name: str, clip: bool) -> float | None:
-    for p in records.get(name, {}).get("phases", []):
-        if p.get("clip") == clip and "step_ms" in p:
-            return p["step_ms"]
-    return None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def table(records: dict[str, Any]) -> str:
-    """The markdown table of one size: a row per contender and clip setting."""
-    headers = [
-        "contender", "clip", "step ms", "vs no offload", "vs DeepSpeed offload",
-        "GPU peak GiB", "host RSS GiB", "host B/param", "tokens/s",
-    ]  # fmt: skip
-    rows = []
-    for name, r in records.items():
-        for p in r.get("phases", []):
-            if "step_ms" not in p:
-                continue
-            clip = p["clip"]
-            rows.append(
-                [
-                    name,
-                    "-" if name in TIMING_ONLY else ("on" if clip else "off"),
-                    p["step_ms"],
-                    ratio(p["step_ms"], step_ms(records, "no_offload", clip)),
-                    ratio(p["step_ms"], step_ms(records, "deepspeed_offload", clip)),
-                    r.get("gpu_peak_gib"),
-                    r.get("host_peak_rss_gib"),
-                    r.get("host_bytes_per_param"),
-                    None if name in TIMING_ONLY else p.get("tokens_per_s"),
-                ]
-            )
-    text = markdown(headers, rows)
-    notes = []
-    for name, r in records.items():
-        if "skipped" in r or "error" in r:
-            notes.append(
-                f"- {name}: "
-                + (f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['error']}")
-            )
-        notes += [
-            f"- {name} (clip): skipped: {p['skipped']}"
-            for p in r.get("phases", [])
-            if "skipped" in p
-        ]
-    return text + ("\n" + "\n".join(notes) if notes else "")
-
-
-def full_offload_target(records: dict[str, Any]) -> dict[str, Any]:
-    """Step of each offload contender against 1.1x max(forward+backward, CPU update), and full
-    offload against DeepSpeed's offload with clipping."""
-    fwd_bwd = step_ms(records, "fwd_bwd", False)
-    update = step_ms(records, "cpu_update", False)
-    floor = max(fwd_bwd, update) if fwd_bwd is not None and update is not None else None
-    out: dict[str, Any] = {"fwd_bwd_ms": fwd_bwd, "cpu_update_ms": update, "floor_ms": floor}
-    lines = []
-    if floor is not None:
-        lines.append(
-            f"max(forward+backward {fwd_bwd:.1f} ms, CPU update {update:.1f} ms) = {floor:.1f} ms"
-        )
-    for name in ("offload", "offload_auto", "offload_compact"):
-        for clip in (False, True):
-            ms = step_ms(records, name, clip)
-            if ms is None or floor is None:
-                continue
-            out[f"{name}_clip{int(clip)}_over_floor"] = ms / floor
-            lines.append(
-                f"{name} (clip {'on' if clip else 'off'}): {ms:.1f} ms = {ms / floor:.2f}x that"
-                + (" (target without clipping: <= 1.1x)" if name == "offload" and not clip else "")
-            )
-    ds = step_ms(records, "deepspeed_offload", True)
-    ours = step_ms(records, "offload", True)
-    if ds is not None and ours is not None:
-        out["offload_over_deepspeed_clip"] = ours / ds
-        lines.append(
-            f"offload / DeepSpeed offload, clipping on: {ours / ds:.2f}x (target <= 0.45x)"
-        )
-    out["lines"] = lines
-    return out
 
 
 # -- largest --------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench_offload_report import billions
 from bench_offload_worker import Spec
 
 GIB = 2**30
@@ -123,59 +124,3 @@ def search(
         "stopped": stopped,
         "attempts": attempts,
     }
-
-
-def largest_table(results: list[dict[str, Any]]) -> str:
-    """Markdown rows: the largest model each contender trained and the smallest that failed."""
-    headers = [
-        "contender",
-        "width",
-        "largest trained",
-        "params",
-        "step ms",
-        "GPU peak GiB",
-        "host RSS GiB",
-        "host B/param",
-        "first failure",
-    ]
-    rows = []
-    for r in results:
-        best, fail = r.get("largest") or {}, r.get("first_failure") or {}
-        rows.append(
-            [
-                r["contender"],
-                r["width"],
-                f"{best['depth']} blocks" if best else "none",
-                billions(best["params"]) if best else "-",
-                best.get("step_ms"),
-                best.get("gpu_peak_gib"),
-                best.get("host_peak_rss_gib"),
-                best.get("host_bytes_per_param"),
-                f"{fail['depth']} blocks ({billions(fail['params'])}): {fail['why']}"
-                if fail and fail.get("params")
-                else (r.get("stopped") or "-"),
-            ]
-        )
-    return markdown(headers, rows)
-
-
-def billions(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
-
-
-def markdown(headers: list[str], rows: list[list[Any]]) -> str:
-    """A markdown table: floats to 3 significant places at most, None as '-'."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(row) + " |" for row in cells]
-    return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if abs(value) >= 100:
-            return f"{value:,.1f}"
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.2f}"
-    return str(value)
