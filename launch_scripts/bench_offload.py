@@ -263,8 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--width", type=int, default=None, help="with --depth: one size instead of --sizes"
     )
     p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--vocab", type=int, default=None, help="default: 50304 (cpu: 512)")
+    p.add_argument("--seq", type=int, default=None, help="tokens a sequence; 2048 (cpu: 64)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument(
         "--contenders", default=",".join(DEFAULT_CONTENDERS), help=f"from {','.join(CONTENDERS)}"
@@ -299,6 +299,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpu = args.device == "cpu"  # a CPU run is a check of the benchmark: small defaults
+    args.vocab = args.vocab or (512 if cpu else 50304)
+    args.seq = args.seq or (64 if cpu else 2048)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no CUDA device")
     if (args.width is None) != (args.depth is None):

@@ -186,3 +186,13 @@ def test_cpu_adam_table(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "| kernel | median ms |" in printed
     assert any(line.startswith("torch_fused / shardopt_fp32:") for line in report["summary"])
+
+
+def test_flags():
+    args = bench_offload.parse_args(["--device", "cpu", "--clip", "on", "--sizes", "64x2,96x3"])
+    assert (args.seq, args.vocab, args.batch) == (64, 512, 4)  # a CPU run checks, small
+    assert args.size_list == [(64, 2), (96, 3)] and args.clips == (True,)
+    assert args.largest_start == {"offload": 44, "offload_compact": 100, "deepspeed_offload": 24}
+    for bad in (["--contenders", "nope"], ["--width", "64"], ["--sizes", "64by2"]):
+        with pytest.raises(SystemExit):
+            bench_offload.parse_args(["--device", "cpu", *bad])
