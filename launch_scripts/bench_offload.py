@@ -67,7 +67,13 @@ class Runner:
 
     def __call__(self, spec: Spec, timeout_s: float | None = None) -> dict[str, Any]:
         timeout = min(timeout_s or self.timeout_s, self.left_s())
-        base = {"contender": spec.contender, "width": spec.width, "depth": spec.depth}
+        cfg = model_config(spec.width, spec.depth, spec.vocab, spec.seq)
+        base = {
+            "contender": spec.contender,
+            "width": spec.width,
+            "depth": spec.depth,
+            "params": count_params(cfg),  # (also for an attempt that timed out or was killed)
+        }
         if timeout < MIN_CONTENDER_S:
             return {**base, "skipped": "time budget spent"}
         self.count += 1
