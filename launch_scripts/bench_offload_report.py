@@ -117,6 +117,15 @@ def full_offload_target(records: dict[str, Any]) -> dict[str, Any]:
             f"offload_auto (clip {'on' if clip else 'off'}): {ms / ref:.2f}x no_offload's step "
             f"(target on a model that fits: <= 1.1x){saved}"
         )
+    targets = {"offload": "<= 12.5", "offload_compact": "<= 4.5", "deepspeed_offload": None}
+    for name, target in targets.items():
+        per_param = records.get(name, {}).get("host_bytes_per_param")
+        if per_param is not None:
+            out[f"{name}_host_bytes_per_param"] = per_param
+            lines.append(
+                f"{name}: host memory {per_param:.1f} B/param above the process's baseline"
+                + (f" (target {target})" if target else "")
+            )
     ds = step_ms(records, "deepspeed_offload", True)
     ours = step_ms(records, "offload", True)
     if ds is not None and ours is not None:
