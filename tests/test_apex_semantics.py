@@ -1,0 +1,112 @@
+"""Apex DistributedFusedAdam's remaining semantics and torch.optim's state-dict hooks on the
+distributed classes, checked on gloo at worlds 1 and 3 against torch.optim.AdamW (alone, or
+under DDP).
+
+- every DistributedFused* class runs the four state-dict hooks with torch.optim's arguments and
+  return-value semantics (the log of a hooked torch.optim.AdamW is the reference).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_cases
+from torch import nn
+
+import shardopt
+
+CLASSES = ("Adam", "LAMB", "NovoGrad", "SGD", "Adagrad")
+
+
+def _group_lr(group) -> float:
+    lr = group["lr"]
+    return float(lr.item() if torch.is_tensor(lr) else lr)
+
+
+def _hook_run(opt, params) -> list:
+    """Registers one hook of each kind, steps once, saves and loads twice (the second time with
+    the hooks removed); returns what the hooks saw and what came back."""
+    log: list = []
+
+    def sd_post(o, sd):
+        steps = all("step" in s for s in sd["state"].values())
+        log.append(("state_dict post", o is opt, sorted(sd), steps))
+        return {**sd, "extra": "from the post-hook"}
+
+    def sd_post_none(o, sd):
+        log.append(("state_dict post 2", sd.get("extra")))  # sees the first one's result
+
+    def load_pre(o, sd):
+        log.append(("load pre", o is opt, sd.get("extra")))
+        sd["mutated"] = True  # a shallow copy: the caller's dict is untouched
+        groups = [{**g, "lr": 0.25} for g in sd["param_groups"]]
+        return {"state": sd["state"], "param_groups": groups}
+
+    def load_pre_none(o, sd):
+        log.append(("load pre 2", "mutated" in sd, _group_lr(sd["param_groups"][0])))
+
+    handles = [
+        opt.register_state_dict_pre_hook(lambda o: log.append(("state_dict pre", o is opt))),
+        opt.register_state_dict_post_hook(sd_post),
+        opt.register_state_dict_post_hook(sd_post_none),
+        opt.register_load_state_dict_pre_hook(load_pre),
+        opt.register_load_state_dict_pre_hook(load_pre_none),
+        opt.register_load_state_dict_post_hook(
+            lambda o: log.append(("load post", o is opt, _group_lr(o.param_groups[0])))
+        ),
+    ]
+    gen = torch.Generator().manual_seed(5)
+    sum((p * torch.randn(p.shape, generator=gen)).sum() for p in params).backward()
+    opt.step()
+    sd = opt.state_dict()
+    log.append(("returned", sd.get("extra")))
+    opt.load_state_dict(sd)
+    log.append(("caller's dict untouched", "mutated" not in sd))
+    log.append(("loaded lr", _group_lr(opt.param_groups[0])))
+    for h in handles:
+        h.remove()
+    log.append(("without hooks", "extra" in opt.state_dict()))
+    opt.load_state_dict(sd)
+    log.append(("lr after hookless load", _group_lr(opt.param_groups[0])))
+    return log
+
+
+def state_dict_hooks_as_torch(rank, world):
+    """Every DistributedFused* class runs torch.optim's four state-dict hooks as AdamW does:
+    arguments, a post-hook's returned dict replacing the state dict, a load pre-hook working on
+    a shallow copy and its returned dict being loaded, a None return keeping the dict."""
+    torch.manual_seed(0)
+    theirs = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(5))]
+    want = _hook_run(torch.optim.AdamW(theirs, lr=1e-2), theirs)
+    assert want == [
+        ("state_dict pre", True),
+        ("state_dict post", True, ["param_groups", "state"], True),
+        ("state_dict post 2", "from the post-hook"),
+        ("returned", "from the post-hook"),
+        ("load pre", True, "from the post-hook"),
+        ("load pre 2", False, 0.25),
+        ("load post", True, 0.25),
+        ("caller's dict untouched", True),
+        ("loaded lr", 0.25),
+        ("without hooks", False),
+        ("lr after hookless load", 0.01),
+    ]
+    for name in CLASSES:
+        torch.manual_seed(0)
+        ours = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(5))]
+        cls = getattr(shardopt, f"DistributedFused{name}")
+        got = _hook_run(cls(ours, lr=1e-2), ours)
+        assert got == want, (name, got, want)
+
+
+CASES = [state_dict_hooks_as_torch]
+
+
+@pytest.fixture(scope="module", params=[1, 3], ids=lambda w: f"world{w}")
+def results(request):
+    return run_cases(CASES, request.param, timeout=400.0, pg_timeout=30.0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_apex_semantics(results, case):
+    assert results[case.__name__] is None, results[case.__name__]
