@@ -508,8 +508,8 @@ def test_masters_follow_a_loaded_model(make, make_ref):
     ours, opt, ref, ref_opt = _master_pair(make, make_ref)
     _master_steps(ours, opt, ref, ref_opt, range(3))
     model, ref_model = nn.ParameterList(ours), nn.ParameterList(ref)
-    model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})
-    ref_model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in ref_model.state_dict().items()})
+    for m in (model, ref_model):
+        m.load_state_dict({k: torch.full_like(v, 0.5) for k, v in m.state_dict().items()})
     _master_steps(ours, opt, ref, ref_opt, range(3, 5))
     for m, p, q in zip(_masters_of(opt, ours), ours, ref):
         torch.testing.assert_close(m, q.detach(), **MASTER_TOL)
