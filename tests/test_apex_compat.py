@@ -100,13 +100,33 @@ def refused_and_checked_arguments(rank, world):
 
 
 def underfilled_buckets_warn(rank, world):
-    """Apex's warning when buckets are mostly empty; none for well-filled buckets."""
+    """Apex's warning when the params fill less than 70% of the bucket capacity (every bucket
+    at full size): a bucket_cap_mb too large for the model, or many tiny aligned params. It
+    names the fill ratio and ends as Apex's; none when the buckets are well filled."""
+    numel = 256 * 256 + 256  # nn.Linear(256, 256), fp32 grads, starts already 32-aligned
+    unit = 32 * world  # 128-byte alignment of every rank's chunk
+
+    def cap_mb(elements):
+        return elements * 4 / 2**20
+
+    for cap, buckets in ((2 * numel, 1), (numel * 3 // 2, 1), (None, 1)):  # None: 100 MB
+        cap_numel = -(-int(cap if cap is not None else 100 * 2**20 / 4) // unit) * unit
+        ratio = numel / (buckets * cap_numel)
+        kw = {} if cap is None else {"bucket_cap_mb": cap_mb(cap)}
+        with pytest.warns(UserWarning) as caught:
+            shardopt.DistributedFusedAdam(nn.Linear(256, 256).parameters(), **kw)
+        (message,) = [str(w.message) for w in caught]
+        assert f"{ratio:.1%}" in message and f"fill ratio {ratio:.3f}" in message, message
+        assert message.endswith("Consider decreasing the bucket_cap_mb argument."), message
     tiny = [nn.Parameter(torch.zeros(3)) for _ in range(16)]  # 3 of every 32 aligned elements
-    with pytest.warns(UserWarning, match="consider decreasing bucket_cap_mb"):
-        shardopt.DistributedFusedAdam(tiny)
+    with pytest.warns(UserWarning, match="Consider decreasing the bucket_cap_mb argument"):
+        shardopt.DistributedFusedAdam(tiny, bucket_cap_mb=cap_mb(16 * 32))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        shardopt.DistributedFusedAdam(nn.Linear(256, 256).parameters())
+        for cap in (numel, numel * 0.6, numel / 3):  # 100%, 83%, 100% (3 full buckets)
+            shardopt.DistributedFusedAdam(
+                nn.Linear(256, 256).parameters(), bucket_cap_mb=cap_mb(cap)
+            )
 
 
 def fp64_params_with_fp32_state(rank, world):

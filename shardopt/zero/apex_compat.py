@@ -104,16 +104,26 @@ def check_device(owner: str, device, params_device: torch.device) -> None:
 
 
 def warn_underfilled(owner: str, keys) -> None:
-    """Apex's warning when less than 70% of bucket space holds params. Buckets here are filled
-    back to back, so what is left is alignment (many tiny params) and padding to a multiple of
-    the world size; it costs memory in every grad bucket, grad shard and state shard."""
+    """Apex's warning when params fill less than 70% of the bucket capacity.
+
+    As Apex, the capacity is every bucket at its full size (``bucket_cap_mb`` worth of grad-sync
+    elements, rounded to whole aligned chunks), so a ``bucket_cap_mb`` too large for the model
+    warns even though the last bucket here is only as long as the params in it: scripts (and
+    Apex's tests) take the warning as the sign to lower ``bucket_cap_mb``. Alignment of many tiny
+    params lowers the fill too.
+    """
     used = sum(sum(r.numel for r in k.layout.space_ranges.values()) for k in keys)
-    total = sum(b.numel for k in keys for b in k.layout.buckets)
-    if total and used / total < BUCKET_FILL_WARNING:
+    capacity = sum(
+        len(k.layout.buckets) * max(k.layout.bucket_numel, k.layout.buckets[0].numel)
+        for k in keys
+        if k.layout.buckets
+    )
+    if capacity and used / capacity < BUCKET_FILL_WARNING:
+        ratio = used / capacity
         warnings.warn(
-            f"{owner}: only {100 * used / total:.1f}% of bucket space holds params (the rest is "
-            "alignment of small params and padding to the world size); consider decreasing "
-            "bucket_cap_mb if the padding is in the last bucket, or grouping tiny params",
+            f"{owner}: the params fill only {ratio:.1%} of the bucket capacity (fill ratio "
+            f"{ratio:.3f}, {used} of {capacity} elements; below {BUCKET_FILL_WARNING:.0%}). "
+            "Consider decreasing the bucket_cap_mb argument.",
             stacklevel=3,
         )
 
