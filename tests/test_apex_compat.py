@@ -152,33 +152,39 @@ def fp64_params_with_fp32_state(rank, world):
 
 
 def integer_param_sync(rank, world):
-    """Apex's integer param_sync_dtype: the most significant bytes of each fp32 master are
-    all-gathered (a bit copy); of the params' own size, the same as gathering in their dtype."""
-    bf16, same = _model().bfloat16(), _model().bfloat16()
-    truncated = _model()
+    """Apex's integer param_sync_dtype of any width carries the bits of the params' values: as
+    wide as the params or wider (int16, int32, int64 for bf16 params) it equals gathering in
+    their dtype; narrower (int16 for fp32 params) the params are the masters rounded to nearest
+    to the top bytes (torch's bf16 cast), the rest zero. (Narrower for fp16 params, uint8:
+    tests/test_apex_semantics.py.)"""
+    models = [_model().bfloat16() for _ in range(4)]
+    rounded = _model()
+    sync = (None, torch.int16, torch.int32, torch.int64)
     opts = [
-        shardopt.DistributedFusedAdam(bf16.parameters(), lr=1e-2),
-        shardopt.DistributedFusedAdam(same.parameters(), lr=1e-2, param_sync_dtype=torch.int16),
-        shardopt.DistributedFusedAdam(
-            truncated.parameters(), lr=1e-2, param_sync_dtype=torch.int16
-        ),
+        shardopt.DistributedFusedAdam(m.parameters(), lr=1e-2, param_sync_dtype=d)
+        for m, d in zip(models, sync)
     ]
+    opts.append(
+        shardopt.DistributedFusedAdam(rounded.parameters(), lr=1e-2, param_sync_dtype=torch.int16)
+    )
+    assert opts[2].keys[0].buffers.sync_space.dtype == torch.int32  # carried as asked
     for step in range(3):
-        for m, o in zip((bf16, same, truncated), opts):
+        for m, o in zip(models + [rounded], opts):
             x = _batch(step, rank).to(next(m.parameters()).dtype)
             m(x).float().square().mean().backward()
             o.step()
             o.zero_grad()
-    for p, q in zip(bf16.parameters(), same.parameters()):
-        assert torch.equal(p, q)
-    masters = opts[2].state_dict()["state"]
-    for i, p in enumerate(truncated.parameters()):
-        bits = masters[i]["master_param"].reshape(-1).view(torch.int32)
-        assert torch.equal(p.detach().reshape(-1).view(torch.int32), bits & -65536)
-    with pytest.raises(TypeError, match="more bytes"):
-        shardopt.DistributedFusedAdam(
-            _model().bfloat16().parameters(), param_sync_dtype=torch.int32
-        )
+    for m in models[1:]:
+        for p, q in zip(models[0].parameters(), m.parameters()):
+            assert torch.equal(p, q)
+    for o in opts[1:4]:  # the masters too: nothing was lost in the wider sync
+        for a, b in zip(opts[0].state_dict()["state"].values(), o.state_dict()["state"].values()):
+            assert torch.equal(a["master_param"], b["master_param"])
+    masters = opts[4].state_dict()["state"]
+    for i, p in enumerate(rounded.parameters()):
+        want = masters[i]["master_param"].bfloat16().float()
+        assert torch.equal(p.detach(), want)
+        assert not torch.equal(want, masters[i]["master_param"])  # (the masters keep more)
 
 
 def nccl_ub_on_one_rank_fails_everywhere(rank, world):
@@ -281,6 +287,8 @@ def script_results(request):
         "grad_scaler_skips_overflow",
         "state_dict_round_trip",
         "nccl_user_buffers",
+        "scaled_states_with_int32_sync",
+        "uint8_sync_with_fp16_state",
     ],
 )
 def test_apex_script_unchanged_but_for_the_import(script_results, name):

@@ -3,7 +3,9 @@ distributed classes, checked on gloo at worlds 1 and 3 against torch.optim.AdamW
 under DDP).
 
 - every DistributedFused* class runs the four state-dict hooks with torch.optim's arguments and
-  return-value semantics (the log of a hooked torch.optim.AdamW is the reference).
+  return-value semantics (the log of a hooked torch.optim.AdamW is the reference);
+- an integer ``param_sync_dtype`` carries the params' bits: wider, exactly; narrower, rounded to
+  nearest even as torch's own casts round (see Note: integer sync in shardopt/zero/sync_bits.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dist_harness import run_cases
 from torch import nn
 
 import shardopt
+from shardopt.zero import sync_bits
 
 CLASSES = ("Adam", "LAMB", "NovoGrad", "SGD", "Adagrad")
 
@@ -110,3 +113,56 @@ def results(request):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_apex_semantics(results, case):
     assert results[case.__name__] is None, results[case.__name__]
+
+
+# -- integer param sync: the bits carried ------------------------------------------------------
+
+
+def _values():
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(20000, generator=gen) * torch.logspace(-6, 4, 20000)
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 0.0, -0.0, 65504.0, 1e-7])
+    return torch.cat([v, ties, torch.tensor([float("inf"), -float("inf")])])
+
+
+@pytest.mark.parametrize(
+    "param_dtype, sync_dtype",
+    [
+        (torch.bfloat16, torch.int32),
+        (torch.bfloat16, torch.int64),
+        (torch.float16, torch.int32),
+        (torch.float32, torch.int64),
+        (torch.float64, torch.int64),
+    ],
+)
+def test_wider_integer_sync_carries_the_params_bits(param_dtype, sync_dtype):
+    """Wider than the param: the param's bits in the top bytes, the rest zero; the params get
+    exactly the master rounded to their dtype (as gathering in their dtype)."""
+    master = _values()
+    sync = torch.empty(master.numel(), dtype=sync_dtype)
+    sync_bits.write_sync(sync, master, param_dtype)
+    size = torch.empty((), dtype=param_dtype).element_size()
+    raw = sync.view(torch.uint8).view(-1, sync.element_size())
+    assert not raw[:, : sync.element_size() - size].any()
+    params = torch.empty(master.numel(), dtype=param_dtype)
+    sync_bits.sync_to_params(params, sync)
+    assert torch.equal(params, master.to(param_dtype))
+
+
+@pytest.mark.parametrize(
+    "param_dtype, sync_dtype, torch_format",
+    [(torch.float16, torch.uint8, torch.float8_e5m2), (torch.float32, torch.int16, torch.bfloat16)],
+)
+def test_narrower_integer_sync_rounds_as_torch(param_dtype, sync_dtype, torch_format, monkeypatch):
+    """Narrower than the param: the top bytes hold the value rounded to nearest even, what
+    torch's cast to that format gives, both through torch's cast and through the bit rounding
+    used for formats torch lacks (bf16 or fp32 params in uint8)."""
+    master = _values()
+    want = master.to(param_dtype).to(torch_format).to(param_dtype)
+    for fmt in (sync_bits._TORCH_FORMAT, {}):
+        monkeypatch.setattr(sync_bits, "_TORCH_FORMAT", fmt)
+        sync = torch.empty(master.numel(), dtype=sync_dtype)
+        sync_bits.write_sync(sync, master.to(param_dtype).float(), param_dtype)
+        params = torch.empty(master.numel(), dtype=param_dtype)
+        sync_bits.sync_to_params(params, sync)
+        assert torch.equal(params, want), fmt

@@ -63,8 +63,12 @@ from shardopt.zero.state_io import StateIO
 from shardopt.zero.update_calls import Call, UpdateCalls
 
 FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
-#: Apex's bit-copy path (e.g. fp8 bits as uint8): the most significant bytes of each master
-INTEGER_SYNC_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
+#: Apex's bit-copy path, any width (see Note: integer sync in shardopt/zero/sync_bits.py)
+INTEGER_SYNC_DTYPES = tuple(
+    d
+    for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    + tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
+)
 
 
 class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimizer):
@@ -426,8 +430,8 @@ def _check_settings(
         raise TypeError(f"{name}: grad_sync_dtype must be a floating dtype, got {grad_sync_dtype}")
     if param_sync_dtype not in FLOAT_DTYPES + INTEGER_SYNC_DTYPES:
         raise TypeError(
-            f"{name}: param_sync_dtype must be a floating dtype or one of uint8, int8, int16, "
-            f"int32 (Apex's bit copy of the masters' top bytes), got {param_sync_dtype}"
+            f"{name}: param_sync_dtype must be a floating dtype or an integer dtype (Apex's "
+            f"bit copy of the params' values), got {param_sync_dtype}"
         )
     if param_sync_dtype in INTEGER_SYNC_DTYPES and capturable:
         raise ValueError(f"{name}: an integer param_sync_dtype is not supported with capturable")

@@ -20,9 +20,10 @@ import torch
 from shardopt import _ops
 from shardopt.optimizers.fused_optimizer import LOW_PRECISION
 from shardopt.zero import comm
-from shardopt.zero.flat_buffer import KeyBuffers, sync_to_params, write_sync
+from shardopt.zero.flat_buffer import KeyBuffers
 from shardopt.zero.layout import KeyLayout, Range, plan_key
 from shardopt.zero.state_storage import Storage
+from shardopt.zero.sync_bits import sync_to_params, write_sync
 
 ALIGN_BYTES = 128
 
@@ -238,11 +239,6 @@ class ShardedParams:
             sync_dtype = config.param_sync_dtype or dtype
             if not sync_dtype.is_floating_point and sync_dtype.itemsize == dtype.itemsize:
                 sync_dtype = dtype  # the params' own bits: the same as gathering in their dtype
-            elif not sync_dtype.is_floating_point and sync_dtype.itemsize > dtype.itemsize:
-                raise TypeError(
-                    f"{self.owner}: param_sync_dtype={sync_dtype} has more bytes than the "
-                    f"{dtype} params it would carry (the bit copy takes a param's top bytes)"
-                )
             smallest = min(t.itemsize for t in (dtype, grad_dtype, sync_dtype))
             bucket_numel = int(config.bucket_cap_mb * 2**20) // grad_dtype.itemsize
             layout = plan_key(
@@ -351,13 +347,13 @@ def merge_master(
     master: torch.Tensor, param: torch.Tensor, sync_dtype: torch.dtype
 ) -> torch.Tensor:
     """The master to keep for ``param``: the master where it still rounds (to the dtype params are
-    gathered in) to the param's value, else the param's value (see Note: the params are the
-    truth)."""
+    gathered in, or through the bits an integer sync dtype carries) to the param's value, else
+    the param's value (see Note: the params are the truth)."""
     if sync_dtype.is_floating_point:
         rounded = master.to(sync_dtype).to(param.dtype)
-    else:  # Apex's bit copy: the param holds the master's top bytes
+    else:  # Apex's bit copy: the param holds the bits the sync element carries
         bits = torch.empty(master.shape, dtype=sync_dtype, device=master.device)
-        write_sync(bits, master)
+        write_sync(bits, master, param.dtype)
         rounded = torch.empty_like(param)
         sync_to_params(rounded, bits)
     return torch.where(rounded == param, master, param.to(master.dtype))
