@@ -250,6 +250,56 @@ def uint8_sync_with_fp16_state(rank, world):
             assert torch.equal(p.detach().cpu(), want), i
 
 
+class TwoHeads(nn.Module):
+    """Two layers whose grads do not depend on each other (the loss adds their losses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(77)
+        self.a, self.b = nn.Linear(SIZE, SIZE), nn.Linear(SIZE, SIZE)
+
+    def forward(self, x):
+        return torch.cat([self.a(x), self.b(x)], dim=-1)
+
+
+def multi_dtype_init_params(rank, world):
+    """Apex's per-param dtypes: ``init_params`` puts one layer's grads and params in bf16
+    buckets while the other stays in fp32. The layers' grads are independent, so each must be
+    exactly what an optimizer of its dtypes alone gives: the bf16 layer that of one built with
+    bf16 sync dtypes, the fp32 one that of the default one, which equals DDP + AdamW. The state
+    dict loads into the fp32-only optimizer."""
+    dev = _device()
+    models = [TwoHeads().to(dev) for _ in range(3)]
+    ref = DDP(TwoHeads().to(dev), device_ids=[dev.index] if dev.type == "cuda" else None)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    bf16 = dict(grad_sync_dtype=torch.bfloat16, param_sync_dtype=torch.bfloat16)
+    mixed = DistributedFusedAdam(models[0].parameters(), **HYPER, bucket_cap_mb=ONE_LAYER_MB)
+    mixed.init_params(models[0].a.parameters(), **bf16)
+    mixed.init_params(models[0].parameters())  # Apex's call for the rest: nothing changes
+    synced = {(k.buffers.grad_dtype, k.buffers.sync_space.dtype) for k in mixed.keys}
+    assert synced == {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)}, synced
+    low = DistributedFusedAdam(models[1].parameters(), **HYPER, **bf16)
+    high = DistributedFusedAdam(models[2].parameters(), **HYPER)
+    rank = dist.get_rank()
+    for step in range(STEPS):
+        data = [(x, torch.cat([y, y.flip(-1)], dim=-1)) for x, y in micro_batches(step, rank)]
+        for m, o, ctx in zip(models + [ref], (mixed, low, high, ref_opt), (mixed, low, high, ref)):
+            backward(m, ctx.no_sync, data)
+            o.step()
+            o.zero_grad()
+        for name, p in models[0].named_parameters():
+            want = dict((models[1] if name.startswith("a.") else models[2]).named_parameters())
+            assert torch.equal(p, want[name]), (step, name)
+        for p, q in zip(models[2].parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p, q, **TOL)
+    sd = mixed.state_dict()
+    high.load_state_dict(sd)
+    for pid, entry in high.state_dict()["state"].items():
+        for name, value in entry.items():
+            if name in sd["state"][pid]:
+                assert torch.equal(value, sd["state"][pid][name]), (pid, name)
+
+
 def nccl_user_buffers(rank, world):
     """``nccl_ub=True`` with Apex's contiguous grad buffer (NCCL; a NotImplementedError with
     the reason where this torch's NCCL has no memory pool); gloo refuses it clearly."""
@@ -287,6 +337,7 @@ CASES = [
     nccl_user_buffers,
     scaled_states_with_int32_sync,
     uint8_sync_with_fp16_state,
+    multi_dtype_init_params,
 ]
 
 

@@ -71,7 +71,7 @@ def apex_script_matches_ddp(rank, world):
 
 def refused_and_checked_arguments(rank, world):
     """Options whose meaning is not kept raise, naming the argument; wrong groups or devices
-    are clear errors; a per-param dtype different from the optimizer's is refused. (Apex's
+    are clear errors; a per-param state dtype different from the optimizer's is refused. (Apex's
     store_param_remainders, with_scaled_states and 16-bit dtype: tests/test_compact_state.py.)"""
     for kw, error, match in (
         (dict(nccl_ub=True), ValueError, "nccl_ub=True registers CUDA buffers"),
@@ -83,8 +83,8 @@ def refused_and_checked_arguments(rank, world):
         with pytest.raises(error, match=match):
             shardopt.DistributedFusedAdam(_model().parameters(), **kw)
     opt = shardopt.DistributedFusedAdam(_model().parameters())
-    with pytest.raises(NotImplementedError, match="grad_sync_dtype"):
-        opt.init_params(grad_sync_dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="state dtype is set per optimizer"):
+        opt.init_params(dtype=torch.float16)
     with pytest.raises(ValueError, match="not one of this optimizer's params"):
         opt.init_params([torch.zeros(3)])
     opt.init_params(dtype=torch.float32)  # the dtype in use: accepted
@@ -289,6 +289,7 @@ def script_results(request):
         "nccl_user_buffers",
         "scaled_states_with_int32_sync",
         "uint8_sync_with_fp16_state",
+        "multi_dtype_init_params",
     ],
 )
 def test_apex_script_unchanged_but_for_the_import(script_results, name):

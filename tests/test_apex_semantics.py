@@ -102,7 +102,28 @@ def state_dict_hooks_as_torch(rank, world):
         assert got == want, (name, got, want)
 
 
-CASES = [state_dict_hooks_as_torch]
+def init_params_dtypes_refused_on_every_rank(rank, world):
+    """Per-param dtypes that cannot be honoured raise on every rank, never hang: after the first
+    backward, a dtype that is no sync dtype, ranks asking for different dtypes; the optimizer
+    keeps working afterwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=1e-2)
+    first = list(model[0].parameters())
+    with pytest.raises(TypeError, match="param_sync_dtype"):
+        opt.init_params(first, param_sync_dtype=torch.complex64 if rank == 0 else None)
+    if world > 1:
+        with pytest.raises(ValueError, match="differ between ranks"):
+            dtype = torch.bfloat16 if rank == 0 else torch.float16
+            opt.init_params(first, grad_sync_dtype=dtype)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="before the first backward"):
+        opt.init_params(first, grad_sync_dtype=torch.bfloat16)
+    opt.step()
+    assert {k.buffers.grad_dtype for k in opt.keys} == {torch.float32}
+
+
+CASES = [state_dict_hooks_as_torch, init_params_dtypes_refused_on_every_rank]
 
 
 @pytest.fixture(scope="module", params=[1, 3], ids=lambda w: f"world{w}")

@@ -124,7 +124,7 @@ def warn_underfilled(owner: str, keys) -> None:
             f"{owner}: the params fill only {ratio:.1%} of the bucket capacity (fill ratio "
             f"{ratio:.3f}, {used} of {capacity} elements; below {BUCKET_FILL_WARNING:.0%}). "
             "Consider decreasing the bucket_cap_mb argument.",
-            stacklevel=3,
+            stacklevel=4,  # the user's line constructing the optimizer
         )
 
 
@@ -143,29 +143,51 @@ class ApexSurface:
         param_sync_dtype: torch.dtype | None = None,
         **kwargs,
     ) -> None:
-        """Apex's explicit initialisation. shardopt plans every param at construction (in
-        registration order, reversed into buckets), so this only checks that ``params`` belong
-        to the optimizer and that the dtypes asked for are the ones in use."""
+        """Apex's explicit initialisation, with Apex's per-param dtypes.
+
+        shardopt plans every param at construction (in registration order, reversed into
+        buckets), so without dtypes this checks that ``params`` belong to the optimizer. With
+        ``grad_sync_dtype`` / ``param_sync_dtype`` other than those in use, ``params`` get their
+        own keys (buckets) in those dtypes and the layout is re-planned: one optimizer may sync
+        some params in bf16 and others in fp32. That must happen before the first backward.
+        Collective (as Apex scripts call it, on every rank): ranks asking for different dtypes
+        all raise.
+        ``dtype`` (the state dtype) is per optimizer: another value raises NotImplementedError.
+
+        Args:
+            params: a param, params of this optimizer, or None for all of them.
+            dtype: the optimizer state dtype (must be the one in use).
+            grad_sync_dtype: dtype these params' grads are accumulated and reduce-scattered in.
+            param_sync_dtype: dtype these params are all-gathered in (an integer dtype: Apex's
+                bit copy, see Note: integer sync in shardopt/zero/sync_bits.py).
+            **kwargs: ignored (Apex's internal arguments).
+        """
         if isinstance(params, torch.Tensor):
             params = [params]
         chosen = list(params) if params is not None else self.all_params
         self._check_init(chosen, "init_params")
         owner = type(self).__name__
-        config = self.config
+        if dtype is not None and dtype != self.config.state_dtype:
+            raise NotImplementedError(
+                f"{owner}.init_params: dtype={dtype} differs from the {self.config.state_dtype} "
+                "in use; the optimizer state dtype is set per optimizer, not per param"
+            )
+        sharded = self.sharded
+        dtypes_of = self.config.sync_dtypes()
+        changed = {}
         for p in chosen:
-            in_use = {
-                "dtype": config.state_dtype,
-                "grad_sync_dtype": config.grad_sync_dtype_for(p.dtype),
-                "param_sync_dtype": config.param_sync_dtype or p.dtype,
-            }
-            asked = {"dtype": dtype, "grad_sync_dtype": grad_sync_dtype}
-            asked["param_sync_dtype"] = param_sync_dtype
-            for name, value in asked.items():
-                if value is not None and value != in_use[name]:
-                    raise NotImplementedError(
-                        f"{owner}.init_params: {name}={value} differs from the {in_use[name]} "
-                        "in use; shardopt sets dtypes per optimizer, not per param"
-                    )
+            i = sharded.param_index.get(id(p))
+            if i is None:  # frozen: never synced
+                continue
+            key = sharded.param_key[i]
+            now = (key.buffers.grad_dtype, key.buffers.sync_space.dtype)
+            grad, sync = dtypes_of(i, p.dtype)
+            want = (grad_sync_dtype or grad, param_sync_dtype or sync)
+            if not want[1].is_floating_point and want[1].itemsize == p.dtype.itemsize:
+                want = (want[0], p.dtype)  # the same bits as the param dtype
+            if want != now:
+                changed[i] = want
+        self._replan(changed)
 
     def init_params_bucket(self, params: Iterable[torch.Tensor]) -> None:
         """Apex's bucket-aligned initialisation: checks the params belong to the optimizer

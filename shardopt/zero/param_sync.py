@@ -112,6 +112,14 @@ class ParamSync:
             self._finish_bucket(bucket_id)
         self._remove_forward_hook()
 
+    def close(self) -> None:
+        """Finishes in-flight all-gathers and removes the global hooks (the layout is re-planned
+        and another ParamSync takes over)."""
+        self.wait()
+        if self._watch_hook is not None:
+            self._watch_hook.remove()
+            self._watch_hook = None
+
     def _remove_forward_hook(self) -> None:
         if self._forward_hook is not None:
             self._forward_hook.remove()
