@@ -267,7 +267,7 @@ def multi_dtype_init_params(rank, world):
     buckets while the other stays in fp32. The layers' grads are independent, so each must be
     exactly what an optimizer of its dtypes alone gives: the bf16 layer that of one built with
     bf16 sync dtypes, the fp32 one that of the default one, which equals DDP + AdamW. The state
-    dict loads into the fp32-only optimizer."""
+    dict loads into an fp32-only optimizer."""
     dev = _device()
     models = [TwoHeads().to(dev) for _ in range(3)]
     ref = DDP(TwoHeads().to(dev), device_ids=[dev.index] if dev.type == "cuda" else None)
@@ -278,8 +278,13 @@ def multi_dtype_init_params(rank, world):
     mixed.init_params(models[0].parameters())  # Apex's call for the rest: nothing changes
     synced = {(k.buffers.grad_dtype, k.buffers.sync_space.dtype) for k in mixed.keys}
     assert synced == {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)}, synced
-    low = DistributedFusedAdam(models[1].parameters(), **HYPER, **bf16)
-    high = DistributedFusedAdam(models[2].parameters(), **HYPER)
+    # references with the same buckets as the mixed optimizer's two keys (a 3-rank sum rounds
+    # by the order of the ring, which follows the chunking): one layer each; the other layer of
+    # their models only gathers grads nobody reads
+    low = DistributedFusedAdam(
+        models[1].a.parameters(), **HYPER, **bf16, bucket_cap_mb=ONE_LAYER_MB
+    )
+    high = DistributedFusedAdam(models[2].b.parameters(), **HYPER, bucket_cap_mb=ONE_LAYER_MB)
     rank = dist.get_rank()
     for step in range(STEPS):
         data = [(x, torch.cat([y, y.flip(-1)], dim=-1)) for x, y in micro_batches(step, rank)]
@@ -290,11 +295,12 @@ def multi_dtype_init_params(rank, world):
         for name, p in models[0].named_parameters():
             want = dict((models[1] if name.startswith("a.") else models[2]).named_parameters())
             assert torch.equal(p, want[name]), (step, name)
-        for p, q in zip(models[2].parameters(), ref.module.parameters()):
+        for p, q in zip(models[2].b.parameters(), ref.module.b.parameters()):
             torch.testing.assert_close(p, q, **TOL)
     sd = mixed.state_dict()
-    high.load_state_dict(sd)
-    for pid, entry in high.state_dict()["state"].items():
+    plain = DistributedFusedAdam(TwoHeads().to(dev).parameters(), **HYPER)
+    plain.load_state_dict(sd)
+    for pid, entry in plain.state_dict()["state"].items():
         for name, value in entry.items():
             if name in sd["state"][pid]:
                 assert torch.equal(value, sd["state"][pid][name]), (pid, name)
