@@ -307,8 +307,9 @@ def multi_dtype_init_params(rank, world):
 
 
 def nccl_user_buffers(rank, world):
-    """``nccl_ub=True`` with Apex's contiguous grad buffer (NCCL; a NotImplementedError with
-    the reason where this torch's NCCL has no memory pool); gloo refuses it clearly."""
+    """``nccl_ub=True`` with Apex's contiguous grad buffer (NCCL: torch's NCCL allocator or
+    shardopt's own; a NotImplementedError with the reason where NCCL itself cannot), with the
+    grad buckets in the registered pool; gloo refuses it clearly."""
     if _device().type != "cuda":
         try:
             make_models(nccl_ub=True)
@@ -332,6 +333,17 @@ def nccl_user_buffers(rank, world):
         nccl_ub=True, contiguous_grad_buffer=True, bucket_cap_mb=ONE_LAYER_MB
     )
     train_and_compare(ref, ref_opt, model, opt, clip=1.0)
+    pool = opt._user_buffers
+    assert pool.registered
+    segments = pool.pool.snapshot()
+    for key in opt.keys:  # the grad buckets the reduce-scatters used lie in the registered pool
+        store = key.buffers._grad_store  # the persistent buckets every iteration reuses
+        assert len(store) == len(key.layout.buckets) > 1
+        for t in store.values():
+            start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+            assert any(
+                g["address"] <= start and end <= g["address"] + g["total_size"] for g in segments
+            ), "a grad bucket outside the registered pool"
 
 
 CASES = [
