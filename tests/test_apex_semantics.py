@@ -136,6 +136,29 @@ def test_apex_semantics(results, case):
     assert results[case.__name__] is None, results[case.__name__]
 
 
+# tests/apex_script.py's cases of these semantics at world 1 (test_apex_compat.py runs them at
+# worlds 2 and 3)
+SCRIPT_CASES = (
+    "scaled_states_with_int32_sync",
+    "uint8_sync_with_fp16_state",
+    "multi_dtype_init_params",
+)
+
+
+@pytest.fixture(scope="module")
+def script_results():
+    import apex_script
+
+    cases = [c for c in apex_script.CASES if c.__name__ in SCRIPT_CASES]
+    return run_cases(cases, 1, timeout=400.0, pg_timeout=30.0)
+
+
+@pytest.mark.parametrize("name", SCRIPT_CASES)
+def test_apex_script_case_at_world_1(script_results, name):
+    assert name in script_results, sorted(script_results)
+    assert script_results[name] is None, script_results[name]
+
+
 # -- integer param sync: the bits carried ------------------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """The torch.optim contract of the six single-process classes (issue 14): ``add_param_group``,
 state-dict hooks, hyperparameter validation with torch's messages, torch.optim's common flags
 (``foreach``, ``fused``, ``maximize``, ``differentiable``), ``load_state_dict`` copying tensor
-hyperparameters, and FusedMixedPrecisionLamb's per-group lr."""
+hyperparameters, FusedMixedPrecisionLamb's per-group lr, and fp32 masters that follow writes into
+their params (FusedAdam/FusedLAMB with master_weights, FusedMixedPrecisionLamb)."""
 
 from __future__ import annotations
 

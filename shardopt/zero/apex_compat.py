@@ -124,7 +124,7 @@ def warn_underfilled(owner: str, keys) -> None:
             f"{owner}: the params fill only {ratio:.1%} of the bucket capacity (fill ratio "
             f"{ratio:.3f}, {used} of {capacity} elements; below {BUCKET_FILL_WARNING:.0%}). "
             "Consider decreasing the bucket_cap_mb argument.",
-            stacklevel=4,  # the user's line constructing the optimizer
+            stacklevel=5,  # the line constructing the optimizer (through __init__ and _build)
         )
 
 
