@@ -112,6 +112,10 @@ def init_params_dtypes_refused_on_every_rank(rank, world):
     first = list(model[0].parameters())
     with pytest.raises(TypeError, match="param_sync_dtype"):
         opt.init_params(first, param_sync_dtype=torch.complex64 if rank == 0 else None)
+    with pytest.raises(ValueError, match="not one of this optimizer's params"):
+        opt.init_params([torch.zeros(3)] if rank == 0 else first)
+    with pytest.raises(NotImplementedError, match="state dtype is set per optimizer"):
+        opt.init_params(first, dtype=torch.bfloat16 if rank == world - 1 else None)
     if world > 1:
         with pytest.raises(ValueError, match="differ between ranks"):
             dtype = torch.bfloat16 if rank == 0 else torch.float16

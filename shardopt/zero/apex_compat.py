@@ -168,13 +168,30 @@ class ApexSurface:
         if isinstance(params, torch.Tensor):
             params = [params]
         chosen = list(params) if params is not None else self.all_params
-        self._check_init(chosen, "init_params")
-        owner = type(self).__name__
-        if dtype is not None and dtype != self.config.state_dtype:
-            raise NotImplementedError(
-                f"{owner}.init_params: dtype={dtype} differs from the {self.config.state_dtype} "
-                "in use; the optimizer state dtype is set per optimizer, not per param"
-            )
+        changed, error = {}, None
+        try:  # collective below: an error on one rank must reach every rank, not hang them
+            self._check_init(chosen, "init_params")
+            owner = type(self).__name__
+            if dtype is not None and dtype != self.config.state_dtype:
+                raise NotImplementedError(
+                    f"{owner}.init_params: dtype={dtype} differs from the "
+                    f"{self.config.state_dtype} in use; the optimizer state dtype is set per "
+                    "optimizer, not per param"
+                )
+            changed = self._dtype_changes(chosen, grad_sync_dtype, param_sync_dtype)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            error = e
+        comm.raise_if_any(error, self.process_group)
+        self._replan(changed)
+
+    def _dtype_changes(self, chosen, grad_sync_dtype, param_sync_dtype) -> dict:
+        """{engine param index: (grad-sync, param-sync dtype)} of the params whose dtypes change."""
+        for asked in (grad_sync_dtype, param_sync_dtype):
+            if asked is not None and not isinstance(asked, torch.dtype):
+                raise TypeError(
+                    f"{type(self).__name__}.init_params: sync dtypes must be torch dtypes, got "
+                    f"{asked!r}"
+                )
         sharded = self.sharded
         dtypes_of = self.config.sync_dtypes()
         changed = {}
@@ -190,7 +207,7 @@ class ApexSurface:
                 want = (want[0], p.dtype)  # the same bits as the param dtype
             if want != now:
                 changed[i] = want
-        self._replan(changed)
+        return changed
 
     def init_params_bucket(self, params: Iterable[torch.Tensor]) -> None:
         """Apex's bucket-aligned initialisation: checks the params belong to the optimizer
