@@ -68,6 +68,29 @@ CPU_SOURCES = (
 CUDA_SOURCES = [f"optim/{name}_cuda.cu" for name in OPTIMIZERS] + [
     f"norm/{name}_cuda.cu" for name in NORM_KERNELS
 ]
+# nccl_ub=True's own allocator (ncclMemAlloc behind torch's pluggable allocator): built with the
+# CUDA kernels when nccl.h is found (see nccl_include_dir)
+NCCL_SOURCES = ["dist/nccl_allocator.cpp"]
+
+
+def nccl_include_dir() -> str | None:
+    """The directory of nccl.h: ``$NCCL_INCLUDE_DIR``, ``$NCCL_HOME/include``, torch's CUDA wheel
+    (the nvidia-nccl package), ``$CUDA_HOME/include``, /usr/include; None if none has it."""
+    import glob
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    roots = [os.environ.get("NCCL_INCLUDE_DIR", "")]
+    roots.append(
+        os.path.join(os.environ["NCCL_HOME"], "include") if "NCCL_HOME" in os.environ else ""
+    )
+    spec = importlib.util.find_spec("nvidia")
+    for base in list(spec.submodule_search_locations or []) if spec else []:
+        roots += sorted(
+            os.path.dirname(h) for h in glob.glob(f"{base}/**/include/nccl.h", recursive=True)
+        )
+    roots += [os.path.join(CUDA_HOME, "include") if CUDA_HOME else "", "/usr/include"]
+    return next((r for r in roots if r and os.path.isfile(os.path.join(r, "nccl.h"))), None)
 
 
 def want_cuda() -> bool:
@@ -87,6 +110,8 @@ def want_cuda() -> bool:
 def sources(with_cuda: bool, root: Path = CSRC) -> list[str]:
     """Absolute source paths for the extension."""
     names = CPU_SOURCES + (CUDA_SOURCES if with_cuda else [])
+    if with_cuda and nccl_include_dir() is not None:
+        names += NCCL_SOURCES
     return [str(root / n) for n in names]
 
 
@@ -146,6 +171,9 @@ def compile_args(with_cuda: bool, cpu_flags: list[str] | None = None) -> dict[st
     """Compiler flags, by compiler ("cxx", "nvcc"); ``cpu_flags`` default to the JIT build's."""
     cxx = _CXX_COMMON + (jit_cpu_flags() if cpu_flags is None else list(cpu_flags))
     args = {"cxx": cxx + (["-DSHARDOPT_WITH_CUDA"] if with_cuda else [])}
+    nccl = nccl_include_dir() if with_cuda else None
+    if nccl is not None:
+        args["cxx"] += ["-DSHARDOPT_WITH_NCCL_ALLOCATOR", f"-I{nccl}"]
     if with_cuda:
         args["nvcc"] = [
             "-O3",

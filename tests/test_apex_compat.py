@@ -71,7 +71,7 @@ def apex_script_matches_ddp(rank, world):
 
 def refused_and_checked_arguments(rank, world):
     """Options whose meaning is not kept raise, naming the argument; wrong groups or devices
-    are clear errors; a per-param dtype different from the optimizer's is refused. (Apex's
+    are clear errors; a per-param state dtype different from the optimizer's is refused. (Apex's
     store_param_remainders, with_scaled_states and 16-bit dtype: tests/test_compact_state.py.)"""
     for kw, error, match in (
         (dict(nccl_ub=True), ValueError, "nccl_ub=True registers CUDA buffers"),
@@ -83,8 +83,8 @@ def refused_and_checked_arguments(rank, world):
         with pytest.raises(error, match=match):
             shardopt.DistributedFusedAdam(_model().parameters(), **kw)
     opt = shardopt.DistributedFusedAdam(_model().parameters())
-    with pytest.raises(NotImplementedError, match="grad_sync_dtype"):
-        opt.init_params(grad_sync_dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="state dtype is set per optimizer"):
+        opt.init_params(dtype=torch.float16)
     with pytest.raises(ValueError, match="not one of this optimizer's params"):
         opt.init_params([torch.zeros(3)])
     opt.init_params(dtype=torch.float32)  # the dtype in use: accepted
@@ -100,13 +100,33 @@ def refused_and_checked_arguments(rank, world):
 
 
 def underfilled_buckets_warn(rank, world):
-    """Apex's warning when buckets are mostly empty; none for well-filled buckets."""
+    """Apex's warning when the params fill less than 70% of the bucket capacity (every bucket
+    at full size): a bucket_cap_mb too large for the model, or many tiny aligned params. It
+    names the fill ratio and ends as Apex's; none when the buckets are well filled."""
+    numel = 256 * 256 + 256  # nn.Linear(256, 256), fp32 grads, starts already 32-aligned
+    unit = 32 * world  # 128-byte alignment of every rank's chunk
+
+    def cap_mb(elements):
+        return elements * 4 / 2**20
+
+    for cap, buckets in ((2 * numel, 1), (numel * 3 // 2, 1), (None, 1)):  # None: 100 MB
+        cap_numel = -(-int(cap if cap is not None else 100 * 2**20 / 4) // unit) * unit
+        ratio = numel / (buckets * cap_numel)
+        kw = {} if cap is None else {"bucket_cap_mb": cap_mb(cap)}
+        with pytest.warns(UserWarning) as caught:
+            shardopt.DistributedFusedAdam(nn.Linear(256, 256).parameters(), **kw)
+        (message,) = [str(w.message) for w in caught]
+        assert f"{ratio:.1%}" in message and f"fill ratio {ratio:.3f}" in message, message
+        assert message.endswith("Consider decreasing the bucket_cap_mb argument."), message
     tiny = [nn.Parameter(torch.zeros(3)) for _ in range(16)]  # 3 of every 32 aligned elements
-    with pytest.warns(UserWarning, match="consider decreasing bucket_cap_mb"):
-        shardopt.DistributedFusedAdam(tiny)
+    with pytest.warns(UserWarning, match="Consider decreasing the bucket_cap_mb argument"):
+        shardopt.DistributedFusedAdam(tiny, bucket_cap_mb=cap_mb(16 * 32))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        shardopt.DistributedFusedAdam(nn.Linear(256, 256).parameters())
+        for cap in (numel, numel * 0.6, numel / 3):  # 100%, 83%, 100% (3 full buckets)
+            shardopt.DistributedFusedAdam(
+                nn.Linear(256, 256).parameters(), bucket_cap_mb=cap_mb(cap)
+            )
 
 
 def fp64_params_with_fp32_state(rank, world):
@@ -132,33 +152,39 @@ def fp64_params_with_fp32_state(rank, world):
 
 
 def integer_param_sync(rank, world):
-    """Apex's integer param_sync_dtype: the most significant bytes of each fp32 master are
-    all-gathered (a bit copy); of the params' own size, the same as gathering in their dtype."""
-    bf16, same = _model().bfloat16(), _model().bfloat16()
-    truncated = _model()
+    """Apex's integer param_sync_dtype of any width carries the bits of the params' values: as
+    wide as the params or wider (int16, int32, int64 for bf16 params) it equals gathering in
+    their dtype; narrower (int16 for fp32 params) the params are the masters rounded to nearest
+    to the top bytes (torch's bf16 cast), the rest zero. (Narrower for fp16 params, uint8:
+    tests/test_apex_semantics.py.)"""
+    models = [_model().bfloat16() for _ in range(4)]
+    rounded = _model()
+    sync = (None, torch.int16, torch.int32, torch.int64)
     opts = [
-        shardopt.DistributedFusedAdam(bf16.parameters(), lr=1e-2),
-        shardopt.DistributedFusedAdam(same.parameters(), lr=1e-2, param_sync_dtype=torch.int16),
-        shardopt.DistributedFusedAdam(
-            truncated.parameters(), lr=1e-2, param_sync_dtype=torch.int16
-        ),
+        shardopt.DistributedFusedAdam(m.parameters(), lr=1e-2, param_sync_dtype=d)
+        for m, d in zip(models, sync)
     ]
+    opts.append(
+        shardopt.DistributedFusedAdam(rounded.parameters(), lr=1e-2, param_sync_dtype=torch.int16)
+    )
+    assert opts[2].keys[0].buffers.sync_space.dtype == torch.int32  # carried as asked
     for step in range(3):
-        for m, o in zip((bf16, same, truncated), opts):
+        for m, o in zip(models + [rounded], opts):
             x = _batch(step, rank).to(next(m.parameters()).dtype)
             m(x).float().square().mean().backward()
             o.step()
             o.zero_grad()
-    for p, q in zip(bf16.parameters(), same.parameters()):
-        assert torch.equal(p, q)
-    masters = opts[2].state_dict()["state"]
-    for i, p in enumerate(truncated.parameters()):
-        bits = masters[i]["master_param"].reshape(-1).view(torch.int32)
-        assert torch.equal(p.detach().reshape(-1).view(torch.int32), bits & -65536)
-    with pytest.raises(TypeError, match="more bytes"):
-        shardopt.DistributedFusedAdam(
-            _model().bfloat16().parameters(), param_sync_dtype=torch.int32
-        )
+    for m in models[1:]:
+        for p, q in zip(models[0].parameters(), m.parameters()):
+            assert torch.equal(p, q)
+    for o in opts[1:4]:  # the masters too: nothing was lost in the wider sync
+        for a, b in zip(opts[0].state_dict()["state"].values(), o.state_dict()["state"].values()):
+            assert torch.equal(a["master_param"], b["master_param"])
+    masters = opts[4].state_dict()["state"]
+    for i, p in enumerate(rounded.parameters()):
+        want = masters[i]["master_param"].bfloat16().float()
+        assert torch.equal(p.detach(), want)
+        assert not torch.equal(want, masters[i]["master_param"])  # (the masters keep more)
 
 
 def nccl_ub_on_one_rank_fails_everywhere(rank, world):
@@ -261,6 +287,9 @@ def script_results(request):
         "grad_scaler_skips_overflow",
         "state_dict_round_trip",
         "nccl_user_buffers",
+        "scaled_states_with_int32_sync",
+        "uint8_sync_with_fp16_state",
+        "multi_dtype_init_params",
     ],
 )
 def test_apex_script_unchanged_but_for_the_import(script_results, name):

@@ -1,12 +1,16 @@
 """The torch.optim contract of the six single-process classes (issue 14): ``add_param_group``,
 state-dict hooks, hyperparameter validation with torch's messages, torch.optim's common flags
 (``foreach``, ``fused``, ``maximize``, ``differentiable``), ``load_state_dict`` copying tensor
-hyperparameters, and FusedMixedPrecisionLamb's per-group lr."""
+hyperparameters, FusedMixedPrecisionLamb's per-group lr, and fp32 masters that follow writes into
+their params (FusedAdam/FusedLAMB with master_weights, FusedMixedPrecisionLamb)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 from shardopt import (
     FusedAdagrad,
@@ -449,3 +453,135 @@ def test_mixed_precision_lamb_honours_per_group_float_lr():
         ref.step()
     for a, b in zip(ours, ref_params, strict=True):
         assert torch.equal(a, b)
+
+
+# -- masters follow the params ------------------------------------------------------------------
+
+# (class with fp32 masters of bf16 params, the same class on fp32 params: no masters, its params
+# are what the masters must track)
+MASTER_KEEPERS = [
+    pytest.param(
+        lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1, master_weights=True),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        id="FusedAdam",
+    ),
+    pytest.param(
+        lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.1, master_weights=True),
+        lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.1),
+        id="FusedLAMB",
+    ),
+    pytest.param(
+        lambda ps: FusedMixedPrecisionLamb(
+            ps, lr=1e-2, weight_decay=0.1, reduced_precision_dtype=torch.bfloat16
+        ),
+        lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.1),
+        id="FusedMixedPrecisionLamb",
+    ),
+]
+MASTER_TOL = dict(rtol=1e-2, atol=2e-3)  # bf16-rounded grads against fp32 ones, a few steps
+
+
+def _master_pair(make, make_ref, dtype=torch.bfloat16):
+    ref = _params((6, 5), (7,), seed=3)
+    ours = [p.detach().to(dtype).requires_grad_() for p in ref]
+    ref = [p.detach().to(dtype).float().requires_grad_() for p in ref]  # same start
+    return ours, make(ours), ref, make_ref(ref)
+
+
+def _master_steps(ours, opt, ref, ref_opt, steps):
+    for step in steps:
+        _set_grads(ref, step)
+        for p, q in zip(ours, ref):
+            p.grad = q.grad.to(p.dtype)
+        opt.step()
+        ref_opt.step()
+
+
+def _masters_of(opt, ours):
+    return [opt.state[p]["master_param"] for p in ours]
+
+
+@pytest.mark.parametrize("make, make_ref", MASTER_KEEPERS)
+def test_masters_follow_a_loaded_model(make, make_ref):
+    """Regression: after ``model.load_state_dict`` (weights 0.5) and one step, the bf16 params
+    were back near the stale fp32 masters (0.838 away). A write into a param is where the next
+    step starts, as for the fp32 optimizer that keeps no master."""
+    ours, opt, ref, ref_opt = _master_pair(make, make_ref)
+    _master_steps(ours, opt, ref, ref_opt, range(3))
+    model, ref_model = nn.ParameterList(ours), nn.ParameterList(ref)
+    for m in (model, ref_model):
+        m.load_state_dict({k: torch.full_like(v, 0.5) for k, v in m.state_dict().items()})
+    _master_steps(ours, opt, ref, ref_opt, range(3, 5))
+    for m, p, q in zip(_masters_of(opt, ours), ours, ref):
+        torch.testing.assert_close(m, q.detach(), **MASTER_TOL)
+        assert torch.equal(p, m.to(p.dtype))
+
+
+@pytest.mark.parametrize("make, make_ref", MASTER_KEEPERS)
+def test_masters_follow_an_in_place_write_and_keep_the_rest(make, make_ref):
+    """An in-place write into part of a param re-seeds only the written elements' masters: the
+    others keep their fp32 value (it still rounds to the param), so they track fp32 training."""
+    ours, opt, ref, ref_opt = _master_pair(make, make_ref)
+    _master_steps(ours, opt, ref, ref_opt, range(3))
+    before = [m.clone() for m in _masters_of(opt, ours)]
+    assert any(not torch.equal(m, p.float()) for m, p in zip(before, ours))  # masters hold bits
+    with torch.no_grad():
+        for p in (ours[0], ref[0]):
+            nn.init.constant_(p[1:3], -0.25)
+    _master_steps(ours, opt, ref, ref_opt, range(3, 4))
+    for m, q in zip(_masters_of(opt, ours), ref):
+        torch.testing.assert_close(m, q.detach(), **MASTER_TOL)
+    # what was not written started the step from its old master, not from the bf16 param: the
+    # same as a run without the write (LAMB's trust ratio is per param: Adam's rows only)
+    ours2, opt2, ref2, ref_opt2 = _master_pair(make, make_ref)
+    _master_steps(ours2, opt2, ref2, ref_opt2, range(4))
+    assert torch.equal(_masters_of(opt, ours)[1], _masters_of(opt2, ours2)[1])
+    if isinstance(opt, FusedAdam):
+        moved, kept = _masters_of(opt, ours)[0], _masters_of(opt2, ours2)[0]
+        assert torch.equal(moved[3:], kept[3:]) and torch.equal(moved[0], kept[0])
+
+
+@pytest.mark.parametrize("make, make_ref", MASTER_KEEPERS)
+def test_masters_cost_nothing_when_no_param_changed(make, make_ref, monkeypatch):
+    """Steps with no write into the params merge no master (no pass over the params); one write
+    merges exactly the written param."""
+    from shardopt.optimizers import masters
+
+    calls = []
+    merge = masters.merge_master
+    monkeypatch.setattr(masters, "merge_master", lambda m, p: calls.append(p.shape) or merge(m, p))
+    ours, opt, ref, ref_opt = _master_pair(make, make_ref)
+    _master_steps(ours, opt, ref, ref_opt, range(4))
+    assert calls == []
+    with torch.no_grad():
+        ours[1].add_(1.0)
+    _master_steps(ours, opt, ref, ref_opt, range(4, 6))
+    assert calls == [ours[1].shape]
+
+
+@pytest.mark.parametrize("make, make_ref", MASTER_KEEPERS)
+def test_loaded_masters_are_kept_only_where_they_round_to_the_params(make, make_ref):
+    """A saved optimizer state loaded with the model it was saved with resumes bit for bit; loaded
+    into a model whose weights were changed since, the params win."""
+    ours, opt, ref, ref_opt = _master_pair(make, make_ref)
+    _master_steps(ours, opt, ref, ref_opt, range(2))
+    saved = copy.deepcopy(opt.state_dict())
+    saved_params = [p.detach().clone() for p in ours]
+    _master_steps(ours, opt, ref, ref_opt, range(2, 4))
+    want = [m.clone() for m in _masters_of(opt, ours)]
+    with torch.no_grad():  # back to step 2: model and optimizer
+        for p, s in zip(ours, saved_params):
+            p.copy_(s)
+    opt.load_state_dict(saved)
+    _master_steps(ours, opt, ref, ref_opt, range(2, 4))
+    for m, w in zip(_masters_of(opt, ours), want):
+        assert torch.equal(m, w)
+    with torch.no_grad():
+        ours[0].fill_(0.5)
+    opt.load_state_dict(saved)
+    assert torch.equal(_masters_of(opt, ours)[0], saved["state"][0]["master_param"])
+    assert (saved["state"][0]["master_param"] - 0.5).abs().max() > 0.5
+    for p in ours:
+        p.grad = torch.zeros_like(p)
+    opt.step()  # one step of at most about lr from where the params are
+    assert (_masters_of(opt, ours)[0] - 0.5).abs().max() < 0.05

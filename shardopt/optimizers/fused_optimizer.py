@@ -21,6 +21,7 @@ import torch
 
 from shardopt import _ops
 from shardopt.optimizers.dtensor import check_param_types
+from shardopt.optimizers.masters import ParamVersions
 from shardopt.optimizers.state_dict import TorchStateDict
 from shardopt.optimizers.step_plan import GroupPlan, GroupStep, ParamState, StepPlans
 
@@ -245,6 +246,10 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
         planning = not torch.compiler.is_compiling()  # Dynamo traces the general path
         plans = self._plans()
         work = self._collect(plans if planning else None)
+        versions = self._versions() if self.master_weights else None
+        if versions is not None:  # see Note: the params are the truth, masters.py
+            for w in work:
+                versions.follow(self.state, w.params, self._keeps_master)
         self._before_step(work)
         for w in work:
             self._advance_step(w.group, w.grads[0].device)
@@ -257,7 +262,16 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
                 plans.add(w.index, GroupPlan(w, tensors, key, masters=self.master_weights))
         if planning and any(w.plan is None for w in work):  # the state may have been written
             plans.seal(self.state)
+        if versions is not None:
+            for w in work:
+                versions.record(self.state, w.params)
         return loss
+
+    def _versions(self) -> ParamVersions:
+        versions = self.__dict__.get("_param_versions")  # absent after torch.optim's __setstate__
+        if versions is None:
+            versions = self._param_versions = ParamVersions()
+        return versions
 
     def _plans(self) -> StepPlans:
         plans = self.__dict__.get("_step_plans")  # absent after torch.optim's __setstate__

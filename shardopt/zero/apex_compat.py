@@ -21,8 +21,11 @@ Mapping (Apex argument -> shardopt):
     DistributedFusedAdam (see Note: compact storage in state_storage.py); the other classes
     refuse them;
   - ``nccl_ub``: Apex's meaning: the buffers of the collectives come from an NCCL-registered
-    memory pool (shardopt/zero/user_buffers.py), with persistent grad buffers as Apex's
-    contiguous grad buffer; needs NCCL groups and a torch that exposes the pool;
+    memory pool (shardopt/zero/user_buffers.py: torch's NCCL allocator, else shardopt's own),
+    with persistent grad buffers as Apex's contiguous grad buffer; needs NCCL groups;
+  - ``init_params(params, grad_sync_dtype=..., param_sync_dtype=...)``: Apex's per-param
+    dtypes: those params get keys (buckets) of their own, the layout is re-planned (before the
+    first backward);
   - ``device``: must be the params' device.
 """
 
@@ -104,17 +107,27 @@ def check_device(owner: str, device, params_device: torch.device) -> None:
 
 
 def warn_underfilled(owner: str, keys) -> None:
-    """Apex's warning when less than 70% of bucket space holds params. Buckets here are filled
-    back to back, so what is left is alignment (many tiny params) and padding to a multiple of
-    the world size; it costs memory in every grad bucket, grad shard and state shard."""
+    """Apex's warning when params fill less than 70% of the bucket capacity.
+
+    As Apex, the capacity is every bucket at its full size (``bucket_cap_mb`` worth of grad-sync
+    elements, rounded to whole aligned chunks), so a ``bucket_cap_mb`` too large for the model
+    warns even though the last bucket here is only as long as the params in it: scripts (and
+    Apex's tests) take the warning as the sign to lower ``bucket_cap_mb``. Alignment of many tiny
+    params lowers the fill too.
+    """
     used = sum(sum(r.numel for r in k.layout.space_ranges.values()) for k in keys)
-    total = sum(b.numel for k in keys for b in k.layout.buckets)
-    if total and used / total < BUCKET_FILL_WARNING:
+    capacity = sum(
+        len(k.layout.buckets) * max(k.layout.bucket_numel, k.layout.buckets[0].numel)
+        for k in keys
+        if k.layout.buckets
+    )
+    if capacity and used / capacity < BUCKET_FILL_WARNING:
+        ratio = used / capacity
         warnings.warn(
-            f"{owner}: only {100 * used / total:.1f}% of bucket space holds params (the rest is "
-            "alignment of small params and padding to the world size); consider decreasing "
-            "bucket_cap_mb if the padding is in the last bucket, or grouping tiny params",
-            stacklevel=3,
+            f"{owner}: the params fill only {ratio:.1%} of the bucket capacity (fill ratio "
+            f"{ratio:.3f}, {used} of {capacity} elements; below {BUCKET_FILL_WARNING:.0%}). "
+            "Consider decreasing the bucket_cap_mb argument.",
+            stacklevel=5,  # the line constructing the optimizer (through __init__ and _build)
         )
 
 
@@ -133,29 +146,68 @@ class ApexSurface:
         param_sync_dtype: torch.dtype | None = None,
         **kwargs,
     ) -> None:
-        """Apex's explicit initialisation. shardopt plans every param at construction (in
-        registration order, reversed into buckets), so this only checks that ``params`` belong
-        to the optimizer and that the dtypes asked for are the ones in use."""
+        """Apex's explicit initialisation, with Apex's per-param dtypes.
+
+        shardopt plans every param at construction (in registration order, reversed into
+        buckets), so without dtypes this checks that ``params`` belong to the optimizer. With
+        ``grad_sync_dtype`` / ``param_sync_dtype`` other than those in use, ``params`` get their
+        own keys (buckets) in those dtypes and the layout is re-planned: one optimizer may sync
+        some params in bf16 and others in fp32. That must happen before the first backward.
+        Collective (as Apex scripts call it, on every rank): ranks asking for different dtypes
+        all raise.
+        ``dtype`` (the state dtype) is per optimizer: another value raises NotImplementedError.
+
+        Args:
+            params: a param, params of this optimizer, or None for all of them.
+            dtype: the optimizer state dtype (must be the one in use).
+            grad_sync_dtype: dtype these params' grads are accumulated and reduce-scattered in.
+            param_sync_dtype: dtype these params are all-gathered in (an integer dtype: Apex's
+                bit copy, see Note: integer sync in shardopt/zero/sync_bits.py).
+            **kwargs: ignored (Apex's internal arguments).
+        """
         if isinstance(params, torch.Tensor):
             params = [params]
         chosen = list(params) if params is not None else self.all_params
-        self._check_init(chosen, "init_params")
-        owner = type(self).__name__
-        config = self.config
+        changed, error = {}, None
+        try:  # collective below: an error on one rank must reach every rank, not hang them
+            self._check_init(chosen, "init_params")
+            owner = type(self).__name__
+            if dtype is not None and dtype != self.config.state_dtype:
+                raise NotImplementedError(
+                    f"{owner}.init_params: dtype={dtype} differs from the "
+                    f"{self.config.state_dtype} in use; the optimizer state dtype is set per "
+                    "optimizer, not per param"
+                )
+            changed = self._dtype_changes(chosen, grad_sync_dtype, param_sync_dtype)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            error = e
+        comm.raise_if_any(error, self.process_group)
+        self._replan(changed)
+
+    def _dtype_changes(self, chosen, grad_sync_dtype, param_sync_dtype) -> dict:
+        """{engine param index: (grad-sync, param-sync dtype)} of the params whose dtypes change."""
+        for asked in (grad_sync_dtype, param_sync_dtype):
+            if asked is not None and not isinstance(asked, torch.dtype):
+                raise TypeError(
+                    f"{type(self).__name__}.init_params: sync dtypes must be torch dtypes, got "
+                    f"{asked!r}"
+                )
+        sharded = self.sharded
+        dtypes_of = self.config.sync_dtypes()
+        changed = {}
         for p in chosen:
-            in_use = {
-                "dtype": config.state_dtype,
-                "grad_sync_dtype": config.grad_sync_dtype_for(p.dtype),
-                "param_sync_dtype": config.param_sync_dtype or p.dtype,
-            }
-            asked = {"dtype": dtype, "grad_sync_dtype": grad_sync_dtype}
-            asked["param_sync_dtype"] = param_sync_dtype
-            for name, value in asked.items():
-                if value is not None and value != in_use[name]:
-                    raise NotImplementedError(
-                        f"{owner}.init_params: {name}={value} differs from the {in_use[name]} "
-                        "in use; shardopt sets dtypes per optimizer, not per param"
-                    )
+            i = sharded.param_index.get(id(p))
+            if i is None:  # frozen: never synced
+                continue
+            key = sharded.param_key[i]
+            now = (key.buffers.grad_dtype, key.buffers.sync_space.dtype)
+            grad, sync = dtypes_of(i, p.dtype)
+            want = (grad_sync_dtype or grad, param_sync_dtype or sync)
+            if not want[1].is_floating_point and want[1].itemsize == p.dtype.itemsize:
+                want = (want[0], p.dtype)  # the same bits as the param dtype
+            if want != now:
+                changed[i] = want
+        return changed
 
     def init_params_bucket(self, params: Iterable[torch.Tensor]) -> None:
         """Apex's bucket-aligned initialisation: checks the params belong to the optimizer

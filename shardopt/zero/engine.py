@@ -46,6 +46,7 @@ A ``torch.compile(module)`` wrapper runs no module hooks inside its graph, so th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -58,13 +59,15 @@ from shardopt.zero import apex_compat, comm, sharded_params, state_storage, torc
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
-from shardopt.zero.sharded_params import Key, ParamReboundError, ShardedParams, ShardingConfig
+from shardopt.zero.sharded_params import (
+    Key,
+    ParamReboundError,
+    ShardedParams,
+    ShardingConfig,
+    check_settings,
+)
 from shardopt.zero.state_io import StateIO
 from shardopt.zero.update_calls import Call, UpdateCalls
-
-FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
-#: Apex's bit-copy path (e.g. fp8 bits as uint8): the most significant bytes of each master
-INTEGER_SYNC_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
 
 
 class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimizer):
@@ -109,7 +112,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         error, storage, ub = None, None, None
         try:  # a setting wrong on one rank only must fail on every rank, not hang the others
             check_param_dtypes(self.param_groups, name)
-            _check_settings(
+            check_settings(
                 name, grad_sync_dtype, param_sync_dtype, capturable, overlap_param_sync,
                 bucket_cap_mb,
             )  # fmt: skip
@@ -148,6 +151,18 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             storage=storage,
             nccl_ub=apex["nccl_ub"],
         )
+        self._pipeline_size = apex["pipeline_size"]
+        self._build(name)
+        apex_compat.check_device(name, apex["device"], self.device)
+        # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
+        torch_clip.install()
+
+    def _build(self, name: str) -> None:
+        """Plans the params into keys under ``self.config`` and builds what works on them (at
+        construction, and again when ``init_params`` asks for other per-param dtypes)."""
+        ub = self._user_buffers
+        process_group = self.process_group
+        redundant_process_group = self.redundant_process_group
         self.sharded = ShardedParams(
             self.param_groups,
             self.config,
@@ -161,7 +176,6 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         if ub is not None:
             ub.register(self)
         sharded = self.sharded
-        apex_compat.check_device(name, apex["device"], sharded.device)
         apex_compat.warn_underfilled(name, sharded.keys)
         self.rank, self.world_size = sharded.rank, sharded.world_size
         self.redundant_size = (
@@ -183,25 +197,73 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             sharded,
             process_group=process_group,
             redundant_process_group=redundant_process_group,
-            overlap=overlap_grad_sync,
-            buckets_in_flight=apex["pipeline_size"],
+            overlap=self.config.overlap_grad_sync,
+            buckets_in_flight=self._pipeline_size,
         )
         ranks = self.world_size * self.redundant_size
         self.amp = AmpClip(
             sharded,
             self.grad_sync,
             process_group=process_group,
-            grad_factor=1.0 / ranks if average_grad_sync else 1.0,
-            capturable=capturable,
+            grad_factor=1.0 / ranks if self.config.average_grad_sync else 1.0,
+            capturable=self.config.capturable,
         )
         self.param_sync = ParamSync(
-            sharded, process_group=process_group, overlap=overlap_param_sync
+            sharded, process_group=process_group, overlap=self.config.overlap_param_sync
         )
         self.update_calls = UpdateCalls(sharded)
         sharded_params.claim(self.params, self)
         weakref.finalize(self, sharded_params.release, list(self.params), None)
-        # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
-        torch_clip.install()
+
+    def _replan(self, per_param: dict[int, tuple[torch.dtype, torch.dtype]]) -> None:
+        """``init_params`` with other dtypes for some params (none: nothing to do): re-plans
+        every key with them, before any grad arrived (nothing but the params' values to carry
+        over). Collective: every rank must ask for the same."""
+        name = type(self).__name__
+        error = None
+        started = per_param and (
+            any(float(g["step"]) > 0 for g in self.param_groups)
+            or self.grad_sync.iteration.arrived
+            or any(k.buffers.grad_buckets for k in self.keys)
+        )
+        if started:
+            error = RuntimeError(
+                f"{name}.init_params: per-param dtypes must be set before the first backward "
+                "(the params are then planned into buckets of those dtypes); this optimizer "
+                "already received grads"
+            )
+        elif per_param and self._user_buffers is not None:
+            error = NotImplementedError(
+                f"{name}.init_params: per-param dtypes with nccl_ub=True (the registered pool "
+                "was sized for the layout planned at construction); pass the dtypes to the "
+                "constructor or build one optimizer per dtype"
+            )
+        for grad_dtype, sync_dtype in per_param.values():
+            try:
+                check_settings(
+                    name, grad_dtype, sync_dtype, self.capturable, self.overlap_param_sync,
+                    self.bucket_cap_mb,
+                )  # fmt: skip
+            except (TypeError, ValueError) as e:
+                error = error or e
+        comm.raise_if_any(error, self.process_group)
+        asked = comm.all_gather_object(sorted(per_param.items()), self.process_group)
+        if any(other != asked[0] for other in asked):
+            raise ValueError(
+                f"{name}.init_params: the per-param dtypes asked for differ between ranks (every "
+                "rank must call init_params with the same params and dtypes)"
+            )
+        if not per_param:
+            return
+        merged = {i: (g, s) for i, g, s in self.config.per_param}
+        merged.update(per_param)
+        self.param_sync.close()
+        self.grad_sync.remove_hooks()
+        sharded_params.release(self.params, self)
+        self.config = dataclasses.replace(
+            self.config, per_param=tuple((i, g, s) for i, (g, s) in sorted(merged.items()))
+        )
+        self._build(name)
 
     # settings read by scripts and benchmarks
     state_dtype = property(lambda self: self.config.state_dtype)
@@ -417,24 +479,3 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         from shardopt.checkpoint.dcp import load_sharded_state_dict
 
         load_sharded_state_dict(self, state_dict, model)
-
-
-def _check_settings(
-    name, grad_sync_dtype, param_sync_dtype, capturable, overlap_param_sync, bucket_cap_mb
-) -> None:
-    if grad_sync_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: grad_sync_dtype must be a floating dtype, got {grad_sync_dtype}")
-    if param_sync_dtype not in FLOAT_DTYPES + INTEGER_SYNC_DTYPES:
-        raise TypeError(
-            f"{name}: param_sync_dtype must be a floating dtype or one of uint8, int8, int16, "
-            f"int32 (Apex's bit copy of the masters' top bytes), got {param_sync_dtype}"
-        )
-    if param_sync_dtype in INTEGER_SYNC_DTYPES and capturable:
-        raise ValueError(f"{name}: an integer param_sync_dtype is not supported with capturable")
-    if capturable and overlap_param_sync:
-        raise ValueError(
-            f"{name}: capturable=True needs the param all-gathers to finish inside step() "
-            "(a CUDA graph must join all its work); use overlap_param_sync=False"
-        )
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"{name}: bucket_cap_mb must be positive, got {bucket_cap_mb}")

@@ -40,37 +40,6 @@ def _view(t: torch.Tensor, r: Range) -> torch.Tensor:
     return t.narrow(0, r.start, r.numel)
 
 
-def _top_bytes(src: torch.Tensor, n: int) -> torch.Tensor:
-    """The ``n`` most significant bytes of each element of ``src`` (little-endian), (numel, n)."""
-    size = src.element_size()
-    return src.view(torch.uint8).view(-1, size)[:, size - n :]
-
-
-@torch.no_grad()
-def write_sync(out: torch.Tensor, master: torch.Tensor) -> None:
-    """Stores masters into a sync-space view: a cast for a floating sync dtype, else Apex's bit
-    copy of each master's most significant bytes."""
-    if out.dtype.is_floating_point:
-        out.copy_(master)
-    else:
-        out.view(torch.uint8).view(-1, out.element_size()).copy_(
-            _top_bytes(master, out.element_size())
-        )
-
-
-@torch.no_grad()
-def sync_to_params(params: torch.Tensor, sync: torch.Tensor) -> None:
-    """Gathered sync-space values into the params: a cast, or the bits into each param's most
-    significant bytes (the rest zero)."""
-    if sync.dtype.is_floating_point:
-        params.copy_(sync)
-        return
-    n, size = sync.element_size(), params.element_size()
-    as_bytes = params.view(torch.uint8).view(-1, size)
-    as_bytes[:, : size - n].zero_()
-    as_bytes[:, size - n :].copy_(sync.view(torch.uint8).view(-1, n))
-
-
 class ChunkedShard:
     """A rank's shard made of one chunk per bucket of a key-space tensor (not contiguous)."""
 

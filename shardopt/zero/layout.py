@@ -80,6 +80,7 @@ class KeyLayout:
     fragments: tuple[Fragment, ...]  # all ranks, ordered by (bucket, rank, param position)
     space_numel: int  # total, padding included
     shard_numel: int  # every rank's shard length
+    bucket_numel: int = 0  # the capacity of a full bucket (the last one may be shorter)
 
     def rank_fragments(self, rank: int) -> list[Fragment]:
         return [f for f in self.fragments if f.rank == rank]
@@ -198,4 +199,5 @@ def plan_key(
         fragments=tuple(fragments),
         space_numel=start,
         shard_numel=shard_offset,
+        bucket_numel=bucket_numel,
     )

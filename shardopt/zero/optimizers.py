@@ -45,8 +45,8 @@ ZERO_ARGS_DOC = """
             dtype for fp32 params, float32 for fp16/bf16/fp64 params; fp64 params keep fp32
             masters and state, as Apex's with dtype=float32).
         param_sync_dtype: dtype params are all-gathered in (default: the param dtype); an
-            integer dtype (uint8, int8, int16, int32) gathers each fp32 master's most
-            significant bytes (Apex's bit copy).
+            integer dtype of any width carries the bits of each param's value (Apex's bit
+            copy; see Note: integer sync in shardopt/zero/sync_bits.py).
         average_grad_sync: average (True) or sum grads over ranks.
         overlap_grad_sync: start a bucket's reduce-scatter during backward once its grads are in.
         overlap_param_sync: leave the param all-gathers in flight after step() and wait for them

@@ -15,9 +15,9 @@ import weakref
 import torch
 
 from shardopt.zero import comm
-from shardopt.zero.flat_buffer import sync_to_params, write_sync
 from shardopt.zero.grad_sync import BucketId
 from shardopt.zero.sharded_params import ShardedParams
+from shardopt.zero.sync_bits import sync_to_params, write_sync
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -75,10 +75,10 @@ class ParamSync:
             for bucket, master in zip(key.layout.buckets, buf.per_bucket(buf.master)):
                 out = buf.chunk(buf.sync_space, bucket)
                 if found_inf_t is None:
-                    write_sync(out, master)
+                    write_sync(out, master, buf.param_space.dtype)
                 else:
                     new = torch.empty_like(out)
-                    write_sync(new, master)
+                    write_sync(new, master, buf.param_space.dtype)
                     out.copy_(torch.where(found_inf_t.bool(), out, new))
 
     @torch.no_grad()
@@ -89,7 +89,7 @@ class ParamSync:
             if buf.master_kind != "copy":
                 continue  # the all-gather reads the params' chunks, which are the masters
             for master, out in zip(buf.per_fragment(buf.master), buf.fragment_outs(buf.sync_space)):
-                write_sync(out, master)
+                write_sync(out, master, buf.param_space.dtype)
         self.start()
         self.wait()
 
@@ -111,6 +111,14 @@ class ParamSync:
         for bucket_id in list(self.pending):
             self._finish_bucket(bucket_id)
         self._remove_forward_hook()
+
+    def close(self) -> None:
+        """Finishes in-flight all-gathers and removes the global hooks (the layout is re-planned
+        and another ParamSync takes over)."""
+        self.wait()
+        if self._watch_hook is not None:
+            self._watch_hook.remove()
+            self._watch_hook = None
 
     def _remove_forward_hook(self) -> None:
         if self._forward_hook is not None:

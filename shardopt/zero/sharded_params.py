@@ -20,11 +20,19 @@ import torch
 from shardopt import _ops
 from shardopt.optimizers.fused_optimizer import LOW_PRECISION
 from shardopt.zero import comm
-from shardopt.zero.flat_buffer import KeyBuffers, sync_to_params, write_sync
+from shardopt.zero.flat_buffer import KeyBuffers
 from shardopt.zero.layout import KeyLayout, Range, plan_key
 from shardopt.zero.state_storage import Storage
+from shardopt.zero.sync_bits import sync_to_params, write_sync
 
 ALIGN_BYTES = 128
+FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: Apex's bit-copy path, any width (see Note: integer sync in shardopt/zero/sync_bits.py)
+INTEGER_SYNC_DTYPES = tuple(
+    d
+    for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    + tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
+)
 
 # param id -> the distributed optimizer that shards it (a param is a view of one optimizer's
 # buffer; a second optimizer would silently break the first). Keyed by id, not stored on the
@@ -89,6 +97,9 @@ class ShardingConfig:
     storage: Storage = Storage()
     #: NCCL user-buffer registration (shardopt/zero/user_buffers.py): persistent grad buffers
     nccl_ub: bool = False
+    #: (engine param index, grad-sync dtype, param-sync dtype) of params given other dtypes by
+    #: Apex's ``init_params(params, grad_sync_dtype=..., param_sync_dtype=...)``, by index
+    per_param: tuple[tuple[int, torch.dtype, torch.dtype], ...] = ()
 
     def describe(self) -> tuple:
         return tuple(str(v) for v in self.__dict__.values())
@@ -99,6 +110,22 @@ class ShardingConfig:
         if self.grad_sync_dtype is not None:
             return self.grad_sync_dtype
         return torch.float32 if param_dtype in LOW_PRECISION + (torch.float64,) else param_dtype
+
+    def sync_dtypes(self) -> Callable[[int, torch.dtype], tuple[torch.dtype, torch.dtype]]:
+        """(grad-sync dtype, param-sync dtype) of engine param ``i`` of dtype ``param_dtype``: the
+        optimizer's, or the ones ``init_params`` gave it. An integer param-sync dtype as wide as
+        the param is the param dtype (the same bits)."""
+        chosen = {i: (g, s) for i, g, s in self.per_param}
+
+        def of(i: int, param_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+            grad, sync = chosen.get(
+                i, (self.grad_sync_dtype_for(param_dtype), self.param_sync_dtype or param_dtype)
+            )
+            if not sync.is_floating_point and sync.itemsize == param_dtype.itemsize:
+                sync = param_dtype
+            return grad, sync
+
+        return of
 
 
 class ShardedParams:
@@ -226,23 +253,17 @@ class ShardedParams:
     def _build_keys(
         self, param_groups: list[dict[str, Any]], state_names, state_signed
     ) -> list[Key]:
-        by_key: dict[tuple[int, torch.dtype], list[int]] = {}
+        dtypes_of = self.config.sync_dtypes()
+        # one key per (group, param dtype, grad-sync dtype, param-sync dtype)
+        by_key: dict[tuple[int, torch.dtype, torch.dtype, torch.dtype], list[int]] = {}
         for gi, group in enumerate(param_groups):
             for p in group["params"]:
                 if p.requires_grad:
-                    by_key.setdefault((gi, p.dtype), []).append(self.param_index[id(p)])
+                    i = self.param_index[id(p)]
+                    by_key.setdefault((gi, p.dtype, *dtypes_of(i, p.dtype)), []).append(i)
         config = self.config
         keys = []
-        for (gi, dtype), indices in by_key.items():
-            grad_dtype = config.grad_sync_dtype_for(dtype)
-            sync_dtype = config.param_sync_dtype or dtype
-            if not sync_dtype.is_floating_point and sync_dtype.itemsize == dtype.itemsize:
-                sync_dtype = dtype  # the params' own bits: the same as gathering in their dtype
-            elif not sync_dtype.is_floating_point and sync_dtype.itemsize > dtype.itemsize:
-                raise TypeError(
-                    f"{self.owner}: param_sync_dtype={sync_dtype} has more bytes than the "
-                    f"{dtype} params it would carry (the bit copy takes a param's top bytes)"
-                )
+        for (gi, dtype, grad_dtype, sync_dtype), indices in by_key.items():
             smallest = min(t.itemsize for t in (dtype, grad_dtype, sync_dtype))
             bucket_numel = int(config.bucket_cap_mb * 2**20) // grad_dtype.itemsize
             layout = plan_key(
@@ -351,13 +372,40 @@ def merge_master(
     master: torch.Tensor, param: torch.Tensor, sync_dtype: torch.dtype
 ) -> torch.Tensor:
     """The master to keep for ``param``: the master where it still rounds (to the dtype params are
-    gathered in) to the param's value, else the param's value (see Note: the params are the
-    truth)."""
+    gathered in, or through the bits an integer sync dtype carries) to the param's value, else
+    the param's value (see Note: the params are the truth)."""
     if sync_dtype.is_floating_point:
         rounded = master.to(sync_dtype).to(param.dtype)
-    else:  # Apex's bit copy: the param holds the master's top bytes
+    else:  # Apex's bit copy: the param holds the bits the sync element carries
         bits = torch.empty(master.shape, dtype=sync_dtype, device=master.device)
-        write_sync(bits, master)
+        write_sync(bits, master, param.dtype)
         rounded = torch.empty_like(param)
         sync_to_params(rounded, bits)
     return torch.where(rounded == param, master, param.to(master.dtype))
+
+
+def check_settings(
+    name: str,
+    grad_sync_dtype: torch.dtype | None,
+    param_sync_dtype: torch.dtype | None,
+    capturable: bool,
+    overlap_param_sync: bool,
+    bucket_cap_mb: float,
+) -> None:
+    """The sync dtypes and settings of one optimizer (or of params given their own dtypes)."""
+    if grad_sync_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: grad_sync_dtype must be a floating dtype, got {grad_sync_dtype}")
+    if param_sync_dtype not in FLOAT_DTYPES + INTEGER_SYNC_DTYPES:
+        raise TypeError(
+            f"{name}: param_sync_dtype must be a floating dtype or an integer dtype (Apex's "
+            f"bit copy of the params' values), got {param_sync_dtype}"
+        )
+    if param_sync_dtype in INTEGER_SYNC_DTYPES and capturable:
+        raise ValueError(f"{name}: an integer param_sync_dtype is not supported with capturable")
+    if capturable and overlap_param_sync:
+        raise ValueError(
+            f"{name}: capturable=True needs the param all-gathers to finish inside step() "
+            "(a CUDA graph must join all its work); use overlap_param_sync=False"
+        )
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"{name}: bucket_cap_mb must be positive, got {bucket_cap_mb}")

@@ -165,15 +165,27 @@ class StateIO:
 
     # -- torch.optim state dict ------------------------------------------------------------------
 
-    @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
         """The full, world-size independent state in torch.optim's format (same on every rank).
 
         Built bucket by bucket: each state shard is all-gathered one bucket at a time and copied
         out into per-param CPU tensors, so the device never holds more than one bucket extra.
         Params that are their own masters (fp32 gathered in fp32) save no ``master_param``.
-        Collective.
+        The ``register_state_dict_pre_hook`` / ``_post_hook`` hooks run as in torch.optim: a
+        pre-hook gets the optimizer, a post-hook the optimizer and the finished dict, and what a
+        post-hook returns (not None) replaces the dict. Collective.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = self._gather_state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    @torch.no_grad()
+    def _gather_state_dict(self) -> dict[str, Any]:
         self.wait_param_sync()
         sharded = self.sharded
         state: dict[int, dict[str, Any]] = {}
@@ -214,15 +226,28 @@ class StateIO:
                 entry["step"] = torch.tensor(float(own_step))
         return {"state": state, "param_groups": groups}
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict from ``state_dict()`` at any world size or bucket size, or one of
         the matching single-process optimizer (FusedAdam, torch.optim.AdamW, ...).
 
         Each rank copies only the fragments it owns; every group key is restored. A saved
         ``master_param`` is kept only where it rounds to the param's current value (the params
-        are the truth: a model loaded or trained elsewhere since is not undone).
+        are the truth: a model loaded or trained elsewhere since is not undone). The
+        ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks run as in torch.optim: a
+        pre-hook gets the optimizer and a shallow copy of ``state_dict`` and may return a dict
+        to load instead; a post-hook gets the optimizer after loading. Collective.
         """
+        state_dict = state_dict.copy()  # shallow, as torch.optim: a pre-hook may edit it
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._scatter_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    @torch.no_grad()
+    def _scatter_state_dict(self, state_dict: dict[str, Any]) -> None:
         name = type(self).__name__
         saved_groups = [dict(g) for g in state_dict["param_groups"]]
         check_loaded_groups(saved_groups, self.param_groups, name)

@@ -2,9 +2,15 @@
 
 NCCL moves a collective's data with fewer copies and fewer SMs when its send and receive buffers
 are registered with the communicator (zero-copy transfers, NVLS and CollNet algorithms). torch
-exposes registration as a CUDA memory pool made with the NCCL backend's allocator
-(``ncclMemAlloc``) and registered with ``ProcessGroupNCCL.register_mem_pool``; NCCL then finds a
-buffer's registration from its address at each collective.
+exposes registration as a CUDA memory pool made with an allocator of ``ncclMemAlloc`` memory and
+registered with ``ProcessGroupNCCL.register_mem_pool``; NCCL then finds a buffer's registration
+from its address at each collective. The allocator is the NCCL backend's own
+(``ProcessGroupNCCL.mem_allocator``) where torch has it, else shardopt's
+(csrc/dist/nccl_allocator.cpp: ``ncclMemAlloc``/``ncclMemFree`` of the process's NCCL behind
+``torch.cuda.memory.CUDAPluggableAllocator``), as Apex ships its own: some torch builds (torch
+2.11+cu130) report "NCCL mem allocator is not supported in this NCCL version" while their NCCL
+has both functions. ``nccl_ub=True`` is refused only where NCCL itself lacks them (before 2.19),
+torch lacks ``MemPool`` or ``register_mem_pool``, or shardopt was built without nccl.h.
 
 With ``nccl_ub=True`` every buffer the engine's collectives read or write is carved from one such
 pool, registered once when the optimizer is built: the param buffers the all-gathers fill (and
@@ -18,6 +24,7 @@ of an accumulation round's extra partial sums use unregistered scratch (NCCL tak
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -44,27 +51,60 @@ def check(owner: str, device: torch.device, groups: Sequence[comm.ProcessGroup |
     reason = missing(device, groups)
     if reason is not None:
         raise NotImplementedError(
-            f"{owner}: nccl_ub=True needs NCCL user-buffer registration through torch's NCCL "
-            "memory pool (torch.cuda.MemPool over ProcessGroupNCCL.mem_allocator, "
-            f"register_mem_pool), which torch {torch.__version__} does not provide here "
-            f"({reason}); use nccl_ub=False"
+            f"{owner}: nccl_ub=True needs NCCL user-buffer registration (a torch.cuda.MemPool "
+            "of ncclMemAlloc memory registered with register_mem_pool), which is not available "
+            f"with torch {torch.__version__} here ({reason}); use nccl_ub=False"
         )
 
 
 def missing(device: torch.device, groups: Sequence[comm.ProcessGroup | None]) -> str | None:
-    """Why this torch and NCCL cannot register user buffers for ``groups`` (None: they can).
-    Builds whose NCCL lacks ``ncclMemAlloc`` raise when the allocator is asked for."""
+    """Why this torch and NCCL cannot register user buffers for ``groups`` (None: they can)."""
     if not (hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")):
         return "no torch.cuda.MemPool"
     for group in groups:
         backend = comm.device_backend(group, device)
         if not hasattr(type(backend), "register_mem_pool"):
             return f"{type(backend).__name__} has no register_mem_pool"
-        try:
-            backend.mem_allocator  # noqa: B018 (raises where NCCL has no ncclMemAlloc)
-        except (AttributeError, RuntimeError, NotImplementedError) as e:
-            return str(e).splitlines()[0]
-    return None
+    _, reason = allocator(comm.device_backend(groups[0], device))
+    return reason
+
+
+def allocator(backend) -> tuple[object | None, str | None]:
+    """(the allocator of NCCL memory for the pool, None) or (None, why there is none): the NCCL
+    backend's own where torch has it, else shardopt's (see the module docstring)."""
+    try:
+        return backend.mem_allocator, None
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        torch_reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    own, reason = _own_allocator()
+    if own is not None:
+        return own, None
+    return None, f"{torch_reason}; and {reason}"
+
+
+_OWN: list = []  # the one CUDAPluggableAllocator of this process (torch keeps it alive)
+
+
+def _own_allocator() -> tuple[object | None, str | None]:
+    if _OWN:
+        return _OWN[0], None
+    from shardopt import _ops
+
+    path = _ops.extension().__file__
+    library = ctypes.CDLL(path)
+    if not hasattr(library, "shardopt_nccl_mem_alloc"):
+        return None, (
+            "shardopt's extension was built without its NCCL allocator (no nccl.h found at "
+            "build time: install torch's nvidia-nccl wheel or set NCCL_INCLUDE_DIR, and rebuild)"
+        )
+    version = library.shardopt_nccl_version()
+    if version == 0:
+        return None, "this process's NCCL has no ncclMemAlloc (NCCL 2.19 or later has it)"
+    own = torch.cuda.memory.CUDAPluggableAllocator(
+        path, "shardopt_nccl_mem_alloc", "shardopt_nccl_mem_free"
+    ).allocator()
+    _OWN.append(own)
+    return own, None
 
 
 class UserBuffers:
@@ -79,8 +119,11 @@ class UserBuffers:
         self.device = device
         self.backends = [comm.device_backend(g, device) for g in groups]
         self.groups = list(groups)
+        nccl_allocator, reason = allocator(self.backends[0])
+        if nccl_allocator is None:  # check() said it can
+            raise NotImplementedError(f"{owner}: nccl_ub=True: {reason}")
         with torch.cuda.device(device):
-            self.pool = torch.cuda.MemPool(self.backends[0].mem_allocator)
+            self.pool = torch.cuda.MemPool(nccl_allocator)
         self.registered = False
 
     @contextlib.contextmanager
