@@ -54,7 +54,17 @@ import torch
 
 from shardopt import _ops
 from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
-from shardopt.zero import apex_compat, comm, sharded_params, state_storage, torch_clip, user_buffers
+from shardopt.zero import (
+    apex_compat,
+    comm,
+    host_state,
+    offload_auto,
+    offload_plan,
+    sharded_params,
+    state_storage,
+    torch_clip,
+    user_buffers,
+)
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
@@ -97,6 +107,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         capturable: bool = False,
         skip_unused_params: bool = True,
         state_format: str | None = None,
+        offload: str | offload_plan.CPUOffload | None = None,
         **apex_args: Any,
     ) -> None:
         name = type(self).__name__
@@ -106,7 +117,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         process_group = apex["process_group"]
         apex_compat.check_apex_groups(name, whole_group, process_group, redundant_process_group)
         super().__init__(params, defaults)
-        error, storage, ub = None, None, None
+        error, storage, ub, offload_settings = None, None, None, None
         try:  # a setting wrong on one rank only must fail on every rank, not hang the others
             check_param_dtypes(self.param_groups, name)
             _check_settings(
@@ -121,6 +132,12 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 state_format=state_format,
                 supported=self.compact_storage,
             )
+            offload_settings = offload_plan.resolve(name, offload)
+            if offload_settings is not None and capturable:
+                raise ValueError(
+                    f"{name}: capturable=True cannot offload (the CPU update syncs with the "
+                    "host); use offload=None"
+                )
             if apex["nccl_ub"]:
                 groups = [process_group]  # None: the default group
                 if redundant_process_group is not None:
@@ -131,6 +148,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         except (TypeError, ValueError, NotImplementedError) as e:
             error = e
         comm.raise_if_any(error, process_group)
+        fraction = offload_auto.agreed_fraction(self, offload_settings, storage, process_group)
         #: the NCCL-registered pool of ``nccl_ub=True`` (shardopt/zero/user_buffers.py), or None
         self._user_buffers = ub
         self.process_group = process_group
@@ -147,6 +165,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             skip_unused_params=skip_unused_params and not capturable,
             storage=storage,
             nccl_ub=apex["nccl_ub"],
+            offload_fraction=fraction,
         )
         self.sharded = ShardedParams(
             self.param_groups,
@@ -198,6 +217,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             sharded, process_group=process_group, overlap=overlap_param_sync
         )
         self.update_calls = UpdateCalls(sharded)
+        #: what CPU offload does here (None without offload); see offload_plan.OffloadPlan
+        self._offload_plan = offload_auto.record(self, offload_settings, fraction)
         sharded_params.claim(self.params, self)
         weakref.finalize(self, sharded_params.release, list(self.params), None)
         # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
@@ -210,6 +231,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
     capturable = property(lambda self: self.config.capturable)
     overlap_grad_sync = property(lambda self: self.config.overlap_grad_sync)
     overlap_param_sync = property(lambda self: self.config.overlap_param_sync)
+    offload_plan = property(lambda self: self._offload_plan)  # None without offload
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only the constructor's groups: the flat layout is planned from them at construction."""
@@ -330,7 +352,16 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 group["step"].add_(1)
             else:
                 group["step"].add_(1 - scalars.found_inf_t.reshape(()))
-        self._update(scalars)
+        offloaded = [k for k in self.keys if k.buffers.offloaded]
+        for key in offloaded:
+            host_state.stage_grads(key.buffers)
+        plan = self._offload_plan
+        with host_state.threads(plan.threads) if offloaded else contextlib.nullcontext():
+            self._update(scalars)
+        found_inf = scalars.found_inf_t  # read on the host once per step, only when offloading
+        skipped = bool(offloaded) and found_inf is not None and bool(found_inf.item())
+        for key in offloaded:
+            host_state.publish(key.buffers, self._calls(key), skipped)
         self.param_sync.write_sync_space(scalars.found_inf_t)
         self.update_calls.end(scalars.found_inf_t)
         self.param_sync.start()
@@ -360,13 +391,26 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     # -- what the update rules read --------------------------------------------------------------
 
-    def _lr(self, group: dict) -> dict[str, Any]:
+    def _lr(self, group: dict, buf: Any = None) -> dict[str, Any]:
         """The kernels' lr arguments: a tensor lr (e.g. for a captured step, where a scheduler
-        writes the new value into the tensor) is read on the device, never on the host."""
+        writes the new value into the tensor) is read on the device, never on the host (on the
+        host for an offloaded key ``buf``)."""
         lr = group["lr"]
         if torch.is_tensor(lr):
-            return {"lr": 0.0, "lr_t": device_lr(lr, self.device)}
+            lr_t = device_lr(lr, self.device)
+            return {"lr": 0.0, "lr_t": self._to_update(buf, lr_t)}
         return {"lr": float(lr)}
+
+    @staticmethod
+    def _to_update(buf: Any, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` where ``buf``'s update runs (the host for an offloaded key)."""
+        if t is None or buf is None or not buf.offloaded:
+            return t
+        return host_state.to_host(t)
+
+    def _grads(self, buf: Any) -> torch.Tensor:
+        """The grad shard the update of ``buf`` reads (its host copy when offloaded)."""
+        return buf.host_grad if buf.offloaded else buf.grad_shard
 
     def _each_call(self) -> Iterator[tuple[dict, Any, Call]]:
         """(group, buffers, call) of every elementwise kernel call of this step, key by key."""
@@ -382,10 +426,11 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
     def _kernel_scalars(
         self, group: dict, call: Call, scalars: StepScalars
     ) -> dict[str, torch.Tensor | None]:
+        buf = call.buffers
         return {
             "step_t": call.step_t(group),
-            "grad_scale_t": scalars.grad_scale_t,
-            "found_inf_t": scalars.found_inf_t,
+            "grad_scale_t": self._to_update(buf, scalars.grad_scale_t),
+            "found_inf_t": self._to_update(buf, scalars.found_inf_t),
         }
 
     def _member_index(self, key: Key) -> torch.Tensor:
@@ -394,11 +439,19 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     # -- introspection and DCP -------------------------------------------------------------------
 
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes of every buffer this optimizer holds on its device, summed over keys."""
+    def memory_bytes(self, where: str = "device") -> dict[str, int]:
+        """Bytes of every persistent buffer this optimizer holds, summed over keys.
+
+        Args:
+            where: ``"device"`` (the default): on its device; ``"host"``: in host memory (CPU
+                offload: the masters, states, remainders and scales of offloaded keys, under the
+                same names; empty without offload).
+        """
+        if where not in ("device", "host"):
+            raise ValueError(f"memory_bytes: where must be 'device' or 'host', got {where!r}")
         out: dict[str, int] = {}
         for key in self.keys:
-            for name, n in key.buffers.bytes().items():
+            for name, n in key.buffers.bytes(where).items():
                 out[name] = out.get(name, 0) + n
         return out
 

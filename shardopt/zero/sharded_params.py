@@ -19,9 +19,10 @@ import torch
 
 from shardopt import _ops
 from shardopt.optimizers.fused_optimizer import LOW_PRECISION
-from shardopt.zero import comm
+from shardopt.zero import comm, host_state
 from shardopt.zero.flat_buffer import KeyBuffers, sync_to_params, write_sync
 from shardopt.zero.layout import KeyLayout, Range, plan_key
+from shardopt.zero.offload_plan import split_params
 from shardopt.zero.state_storage import Storage
 
 ALIGN_BYTES = 128
@@ -89,6 +90,9 @@ class ShardingConfig:
     storage: Storage = Storage()
     #: NCCL user-buffer registration (shardopt/zero/user_buffers.py): persistent grad buffers
     nccl_ub: bool = False
+    #: CPU offload: the share of each key's elements whose state lives on the host (None: no
+    #: offload; see Note: which params stay on the GPU in offload_plan.py)
+    offload_fraction: float | None = None
 
     def describe(self) -> tuple:
         return tuple(str(v) for v in self.__dict__.values())
@@ -233,7 +237,17 @@ class ShardedParams:
                     by_key.setdefault((gi, p.dtype), []).append(self.param_index[id(p)])
         config = self.config
         keys = []
+        parts = []
         for (gi, dtype), indices in by_key.items():
+            if config.offload_fraction is None:
+                parts.append((gi, dtype, indices, False))
+                continue
+            kept = split_params([self.params[i].numel() for i in indices], config.offload_fraction)
+            if kept < len(indices):  # the host part first: its grads arrive first
+                parts.append((gi, dtype, indices[kept:], True))
+            if kept > 0:
+                parts.append((gi, dtype, indices[:kept], False))
+        for gi, dtype, indices, offloaded in parts:
             grad_dtype = config.grad_sync_dtype_for(dtype)
             sync_dtype = config.param_sync_dtype or dtype
             if not sync_dtype.is_floating_point and sync_dtype.itemsize == dtype.itemsize:
@@ -263,6 +277,7 @@ class ShardedParams:
                 state_signed=state_signed,
                 persistent_grads=config.nccl_ub,
                 comm_allocating=self.allocating,
+                offloaded=offloaded,
             )
             keys.append(Key(len(keys), gi, dtype, layout, buffers))
         return keys
@@ -280,6 +295,8 @@ class ShardedParams:
                 view.copy_(p.data)
                 p.data = view
                 self.views[i] = view
+            if buf.offloaded and buf.master_kind != "copy":
+                host_state.pull_params(buf)  # the host copy of the params' chunks
             if buf.master_kind != "copy":  # the params' chunks are (the top halves of) masters
                 continue
             for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
@@ -320,6 +337,26 @@ class ShardedParams:
             rebound.append(i)
         return rebound
 
+    def _written(self) -> set[int]:
+        """Engine params written or re-bound since the optimizer last wrote them."""
+        changed = set(self.check_bindings())
+        for i, (p, seen) in enumerate(zip(self.params, self._versions)):
+            if p._version != seen:
+                changed.add(i)
+        return changed
+
+    @torch.no_grad()
+    def pull_written_params(self) -> None:
+        """CPU offload, before state I/O: the host copies of the params of ``param`` and
+        ``remainder`` keys follow params written since (``model.load_state_dict`` before the
+        optimizer's load), as the params themselves are those masters without offload; with
+        ``force`` (after state I/O wrote the host copies) ``refresh_masters`` leaves them."""
+        changed_keys = {self.param_key[i].index for i in self._written()}
+        for key in self.keys:
+            buf = key.buffers
+            if buf.offloaded and buf.master_kind != "copy" and key.index in changed_keys:
+                host_state.pull_params(buf)
+
     @torch.no_grad()
     def refresh_masters(self, force: bool = False) -> None:
         """Re-seeds the masters of params written (or re-bound) since the optimizer last wrote
@@ -328,11 +365,7 @@ class ShardedParams:
         (the written values carry none; ``force`` leaves them: state I/O already kept the loaded
         ones only where they round to the param). Params that are their own masters need
         nothing."""
-        rebound = self.check_bindings()
-        changed = set(rebound)
-        for i, (p, seen) in enumerate(zip(self.params, self._versions)):
-            if p._version != seen:
-                changed.add(i)
+        changed = self._written()
         changed_keys = {self.param_key[i].index for i in changed}
         for key in self.keys:
             buf = key.buffers
@@ -340,7 +373,10 @@ class ShardedParams:
                 for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
                     param = buf.fragment_param_view(self.params[f.param].data, f)
                     master.copy_(merge_master(master, param, buf.sync_space.dtype))
-            elif buf.master_kind == "remainder" and not force and key.index in changed_keys:
+                continue
+            if buf.offloaded and not force and key.index in changed_keys:
+                host_state.pull_params(buf)  # the host copy follows the params
+            if buf.master_kind == "remainder" and not force and key.index in changed_keys:
                 for f in buf.fragments:
                     if f.param in changed:
                         buf.fragment(buf.remainder, f).zero_()
@@ -353,6 +389,7 @@ def merge_master(
     """The master to keep for ``param``: the master where it still rounds (to the dtype params are
     gathered in) to the param's value, else the param's value (see Note: the params are the
     truth)."""
+    param = param.to(master.device)  # an offloaded master lives on the host
     if sync_dtype.is_floating_point:
         rounded = master.to(sync_dtype).to(param.dtype)
     else:  # Apex's bit copy: the param holds the master's top bytes

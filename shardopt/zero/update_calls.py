@@ -50,11 +50,16 @@ class Call:
         buf = self.buffers
         if buf.master_is_param or buf.out_by_copy:
             return None
+        if buf.offloaded:  # the host out slot, in shard coordinates (host_state.py)
+            if buf.host_out is None:  # a remainder key: the update writes its host params
+                return None
+            return [buf.host_out.narrow(0, r.start, r.numel) for r in self.shard_ranges]
         return [buf.sync_space.narrow(0, r.start, r.numel) for r in self.space_ranges]
 
     def step_t(self, group: dict) -> torch.Tensor:
-        """The params' own step (device tensor): the group's minus the skipped steps."""
-        step = group["step"].reshape(1)
+        """The params' own step (a tensor where the update runs): the group's minus the skipped
+        steps."""
+        step = group["step"].reshape(1).to(self.buffers.update_device)
         return step - self.offset if self.offset else step
 
 
