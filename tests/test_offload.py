@@ -168,6 +168,15 @@ def every_class(rank, world):
             assert all(k.buffers.offloaded for k in opt.keys)
 
 
+def staging_ring(rank, world):
+    """One staging slot (no transfer ahead) and two: the same bits; a rule with per-step extras
+    (SGD's momentum flag, LAMB's norms) takes the whole-shard path, also the same bits."""
+    for slots in (1, 2):
+        _parity("Adam", rank, dtype=BF16, offload=shardopt.CPUOffload(staging_slots=slots))
+    assert shardopt.DistributedFusedAdam.bucketwise_update
+    assert not shardopt.DistributedFusedLAMB.bucketwise_update
+
+
 def clipping_and_scaler(rank, world):
     for name in CLASSES:
         _parity(name, rank, clip=0.5)
@@ -231,8 +240,16 @@ def memory_split(rank, world):
         assert dev["param_space"] == plain.memory_bytes()["param_space"]
         assert dev["master"] == 0 and "exp_avg" not in dev
         shard = sum(k.layout.shard_numel for k in off.keys)
+        (key,) = off.keys
+        chunk = max(b.chunk_numel for b in key.layout.buckets)
+        # exact-size slots: grads in their sync dtype (fp32 here), params out in theirs (a bf16
+        # key's fp32 master writes bf16 params into its out slots; fp32 params are updated in
+        # their host copy, no out slot)
+        staging = 4 * chunk * (4 + (2 if dtype == BF16 else 0))
         # a separate fp32 host master, for fp32 params too
-        assert host == {"master": shard * 4, "exp_avg": shard * 4, "exp_avg_sq": shard * 4}
+        assert host == {"master": shard * 4, "exp_avg": shard * 4, "exp_avg_sq": shard * 4,
+                        "staging": staging}, (host, staging)  # fmt: skip
+        assert off._offload_pipeline.pinned_bytes() == 0  # a CPU job pins nothing
     with pytest.raises(ValueError, match="where"):
         off.memory_bytes("gpu")
 
@@ -327,9 +344,9 @@ def state_dict_round_trip(rank, world):
 
 
 PLAN = [
-    (1, [every_class, partial_fraction, auto_fraction, memory_split, refusals]),
+    (1, [every_class, staging_ring, partial_fraction, auto_fraction, memory_split, refusals]),
     (2, [every_class, clipping_and_scaler, accumulation, hsdp, save_w2, state_dict_round_trip]),
-    (3, [state_formats, partial_fraction, resume_w3]),
+    (3, [state_formats, staging_ring, partial_fraction, resume_w3]),
     (4, [clipping_and_scaler, hsdp, auto_fraction]),
 ]
 

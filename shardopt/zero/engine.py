@@ -8,7 +8,9 @@ single-process class calls). The roles live in their own modules, composed here:
   - ``grad_sync``: the grad hooks and the bucketed reduce-scatter of one iteration;
   - ``amp``: the global grad norm, clipping and GradScaler handling;
   - ``param_sync``: the all-gather of the params after the update;
-  - ``state_io``: the state-I/O interface and the torch.optim state dict.
+  - ``state_io``: the state-I/O interface and the torch.optim state dict;
+  - ``offload_plan``, ``offload_auto``, ``host_state``, ``offload_pipeline``: CPU offload (which
+    keys live on the host, and their update there: see Note: the offloaded step).
 
 One step (default settings):
   1. backward: grads go into transient buckets, reduce-scattered as they fill (``grad_sync``);
@@ -59,6 +61,7 @@ from shardopt.zero import (
     comm,
     host_state,
     offload_auto,
+    offload_pipeline,
     offload_plan,
     sharded_params,
     state_storage,
@@ -86,6 +89,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
     #: whether the update rule runs on compact storage (remainders, 16-bit and 8-bit states)
     compact_storage: bool = False
     needs_grad_norm: bool = False  # LAMB's built-in clipping
+    #: CPU offload: the update can run one bucket at a time (elementwise, no per-step extras)
+    bucketwise_update: bool = False
     # torch.amp.GradScaler hands itself to step(grad_scaler=...): grads live in our buffers, so the
     # overflow check and unscaling happen inside the step (same decision on every rank).
     _step_supports_amp_scaling = True
@@ -219,6 +224,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self.update_calls = UpdateCalls(sharded)
         #: what CPU offload does here (None without offload); see offload_plan.OffloadPlan
         self._offload_plan = offload_auto.record(self, offload_settings, fraction)
+        self._offload_pipeline = offload_pipeline.OffloadPipeline.of(self, offload_settings)
         sharded_params.claim(self.params, self)
         weakref.finalize(self, sharded_params.release, list(self.params), None)
         # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
@@ -352,16 +358,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 group["step"].add_(1)
             else:
                 group["step"].add_(1 - scalars.found_inf_t.reshape(()))
-        offloaded = [k for k in self.keys if k.buffers.offloaded]
-        for key in offloaded:
-            host_state.stage_grads(key.buffers)
-        plan = self._offload_plan
-        with host_state.threads(plan.threads) if offloaded else contextlib.nullcontext():
-            self._update(scalars)
-        found_inf = scalars.found_inf_t  # read on the host once per step, only when offloading
-        skipped = bool(offloaded) and found_inf is not None and bool(found_inf.item())
-        for key in offloaded:
-            host_state.publish(key.buffers, self._calls(key), skipped)
+        offload_pipeline.update(self, scalars)  # _update(scalars), offloaded keys on the host
         self.param_sync.write_sync_space(scalars.found_inf_t)
         self.update_calls.end(scalars.found_inf_t)
         self.param_sync.start()
@@ -420,7 +417,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     def _calls(self, key: Key, per_tensor: bool = False) -> list[Call]:
         """This step's kernel calls over ``key`` (see Note: skipped params in update_calls.py):
-        per bucket chunk, or per fragment for rules with per-tensor norms."""
+        per bucket chunk, or per fragment for rules with per-tensor norms (inside
+        ``update_calls.within``, only those of its window)."""
         return self.update_calls.calls(key, per_tensor)
 
     def _kernel_scalars(
@@ -445,7 +443,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         Args:
             where: ``"device"`` (the default): on its device; ``"host"``: in host memory (CPU
                 offload: the masters, states, remainders and scales of offloaded keys, under the
-                same names; empty without offload).
+                same names, and ``staging``, the exact-size staging slots; empty without
+                offload).
         """
         if where not in ("device", "host"):
             raise ValueError(f"memory_bytes: where must be 'device' or 'host', got {where!r}")
@@ -453,6 +452,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         for key in self.keys:
             for name, n in key.buffers.bytes(where).items():
                 out[name] = out.get(name, 0) + n
+        if where == "host" and self._offload_pipeline is not None:
+            out["staging"] = self._offload_pipeline.staging_bytes()
         return out
 
     def sharded_state_dict(self, model: torch.nn.Module | None = None) -> dict[str, Any]:

@@ -57,6 +57,8 @@ ZERO_ARGS_DOC = """
         capturable: the step may be captured in a CUDA graph (with the forward and backward):
             no host sync, every collective joined before step() returns, lr may be a device
             tensor; needs overlap_param_sync=False and no GradScaler.
+        offload: "cpu" or a ``shardopt.CPUOffload``: masters and state of (a fraction of) this
+            rank's shard live in host memory, updated there by the same kernels (docs/offload.md).
         foreach, fused: accepted for torch.optim compatibility; no effect.
         maximize, differentiable: must be False (True raises NotImplementedError).
 
@@ -92,6 +94,7 @@ class DistributedFusedAdam(DistributedOptimizer):
     state_names = ("exp_avg", "exp_avg_sq")
     state_signed = {"exp_avg": True, "exp_avg_sq": False}
     compact_storage = True
+    bucketwise_update = True
 
     def __init__(
         self,
@@ -243,6 +246,7 @@ class DistributedFusedAdagrad(DistributedOptimizer):
     """ZeRO-sharded Adagrad: ``FusedAdagrad``'s math on this rank's shard."""
 
     state_names = ("sum",)
+    bucketwise_update = True
 
     def __init__(
         self,
