@@ -250,6 +250,19 @@ def memory_split(rank, world):
         assert host == {"master": shard * 4, "exp_avg": shard * 4, "exp_avg_sq": shard * 4,
                         "staging": staging}, (host, staging)  # fmt: skip
         assert off._offload_pipeline.pinned_bytes() == 0  # a CPU job pins nothing
+    # remainders + int8 moments: no host copy of the bf16 params (staged per bucket), int16
+    # remainders and 8-bit codes with a scale per block: about 4.03 B/param
+    dtype, kw = FORMATS["remainders_int8"]
+    off = _opt("Adam", _model(dtype), "cpu", kw)
+    (key,) = off.keys
+    shard = key.layout.shard_numel
+    host = off.memory_bytes("host")
+    blocks = 4 * -(-shard // 256)
+    assert host["master"] == 0 and host["remainder"] == 2 * shard
+    assert host["exp_avg"] == host["exp_avg_sq"] == shard
+    assert host["exp_avg_scales"] == host["exp_avg_sq_scales"] == blocks
+    chunk = max(b.chunk_numel for b in key.layout.buckets)
+    assert host["staging"] == 4 * chunk * (4 + 2)  # fp32 grads and bf16 params, no out slot
     with pytest.raises(ValueError, match="where"):
         off.memory_bytes("gpu")
 

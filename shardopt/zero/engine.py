@@ -172,16 +172,19 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             nccl_ub=apex["nccl_ub"],
             offload_fraction=fraction,
         )
-        self.sharded = ShardedParams(
-            self.param_groups,
-            self.config,
-            self.state_names,
-            state_signed=self.state_signed,
-            process_group=process_group,
-            redundant_process_group=redundant_process_group,
-            owner=name,
-            allocating=ub.allocating if ub is not None else contextlib.nullcontext,
-        )
+        # offloaded host state is zero-filled by the intra-op threads that will update it (first
+        # touch places its pages near them)
+        with offload_auto.first_touch(self, offload_settings):
+            self.sharded = ShardedParams(
+                self.param_groups,
+                self.config,
+                self.state_names,
+                state_signed=self.state_signed,
+                process_group=process_group,
+                redundant_process_group=redundant_process_group,
+                owner=name,
+                allocating=ub.allocating if ub is not None else contextlib.nullcontext,
+            )
         if ub is not None:
             ub.register(self)
         sharded = self.sharded

@@ -142,7 +142,7 @@ class KeyBuffers:
         self.master_is_param = self.master_kind == "param"
         if self.master_kind == "copy":
             self.master: Shard = torch.zeros(shard, dtype=torch.float32, device=state_device)
-        elif offloaded:  # a host copy of this rank's param chunks, updated there and pushed
+        elif offloaded and self.master_kind == "param":  # a host copy of the param chunks
             self.master = torch.zeros(shard, dtype=param_dtype, device=state_device)
         else:
             self.master = ChunkedShard(
@@ -292,7 +292,8 @@ class KeyBuffers:
         if where == "host":
             if not self.offloaded:
                 return {}
-            out = {"master": size(self.master)}
+            # a remainder key's bf16 half stays in the params: staged per bucket, not kept
+            out = {"master": size(self.master) if self.master_kind != "remainder" else 0}
             if self.remainder is not None:
                 out["remainder"] = size(self.remainder)
             out.update({name: size(t) for name, t in self.state.items()})

@@ -2,9 +2,11 @@
 
 An offloaded key (``KeyBuffers.offloaded``, see offload_plan.py for which keys) keeps its master,
 optimizer state, int16 remainders and per-block scales in host memory (never pinned). The master
-is always a separate host tensor: fp32 for a ``copy`` key; for a ``param`` or ``remainder`` key a
-host copy of this rank's param chunks (fp32 params: the fp32 master), updated in place by the
-same kernels and pushed back into the params' chunks. Per step:
+is a separate host tensor: fp32 for a ``copy`` key; for a ``param`` key a host copy of this
+rank's param chunks (fp32 params: the fp32 master), updated in place by the same kernels and
+pushed back into the params' chunks. A ``remainder`` key keeps only its remainders on the host:
+the bf16 half of its masters stays in the params and is staged bucket by bucket around the
+update (offload_pipeline.py). Per step (the whole-shard path; see Note: the offloaded step):
 
   1. ``stage_grads``: the reduce-scattered grad shard comes to the host in its own dtype (bf16
      grads travel as 2 B/param, never upcast on the device);
@@ -55,16 +57,21 @@ def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
 
 @torch.no_grad()
 def pull_params(buf: KeyBuffers) -> None:
-    """The host copy of a ``param``/``remainder`` key's master takes the params' chunks (at
-    construction and whenever the params were written: the params are the truth)."""
+    """The host copy of a ``param`` key's master takes the params' chunks (at construction and
+    whenever the params were written: the params are the truth). A ``remainder`` key keeps no
+    copy: its bf16 half is the params' chunks, staged bucket by bucket for the update."""
+    if buf.master_kind != "param":
+        return
     for bucket, host in zip(buf.layout.buckets, buf.per_bucket(buf.master)):
         host.copy_(buf.chunk(buf.param_space, bucket))
 
 
 @torch.no_grad()
 def push_params(buf: KeyBuffers) -> None:
-    """The params' chunks take the host copy of a ``param``/``remainder`` key's master (after
-    state I/O wrote the masters)."""
+    """The params' chunks take the host copy of a ``param`` key's master (after state I/O wrote
+    the masters)."""
+    if buf.master_kind != "param":
+        return
     for bucket, host in zip(buf.layout.buckets, buf.per_bucket(buf.master)):
         buf.chunk(buf.param_space, bucket).copy_(host)
 

@@ -14,6 +14,7 @@ copies, so auto deterministically offloads nothing (fraction 0).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -125,6 +126,15 @@ def agreed_fraction(
     fraction, reason, found = decision
     optimizer._offload_reason, optimizer._offload_measurements = reason, found
     return fraction
+
+
+def first_touch(optimizer, settings: CPUOffload | None) -> contextlib.AbstractContextManager:
+    """The context the host state is allocated in: the update's thread budget, so the zero fill
+    (parallel over the same intra-op pool as the update kernels) first-touches each page from a
+    thread of that pool (NUMA-local to it on a multi-node host, as far as the OS places it)."""
+    if settings is None:
+        return contextlib.nullcontext()
+    return host_state.threads(optimizer._offload_threads)
 
 
 def record(optimizer, settings: CPUOffload | None, fraction: float | None) -> OffloadPlan | None:

@@ -13,7 +13,10 @@ Note: the offloaded step
       2. the update rule runs the same kernels on that bucket's part of the host state, on the
          offload thread budget, writing the new params (cast in the kernel) into an out slot;
       3. the out slot is copied into this rank's chunk of the sync space (asynchronously on
-         CUDA); the all-gathers wait for these copies.
+         CUDA); the all-gathers wait for these copies. A ``remainder`` key (bf16 params with
+         int16 remainders) keeps no host copy of its params: the bucket's bf16 params come down
+         into a slot of their own beside the grads, the kernel updates them there with the host
+         remainders, and they go back up.
 
     Update rules whose step has per-step extras outside the kernel calls (SGD's momentum flag,
     LAMB's and NovoGrad's all-reduced per-tensor norms) take the whole shard in one pass
@@ -83,6 +86,7 @@ class OffloadPipeline:
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.grad_slots: dict[int, _Slots] = {}
         self.out_slots: dict[int, _Slots] = {}
+        self.param_slots: dict[int, _Slots] = {}
         for key in keys:
             buf = key.buffers
             numel = max((b.chunk_numel for b in key.layout.buckets), default=0)
@@ -90,24 +94,29 @@ class OffloadPipeline:
             out_dtype = buf.sync_space.dtype if buf.master_kind == "copy" else None
             if out_dtype is not None and not buf.out_by_copy:
                 self.out_slots[key.index] = _Slots(slots, numel, out_dtype, pin)
+            if buf.master_kind == "remainder":  # the bf16 half of the masters, down and up
+                self.param_slots[key.index] = _Slots(slots, numel, buf.param_space.dtype, pin)
 
     @classmethod
     def of(cls, optimizer, settings) -> OffloadPipeline | None:
         """The pipeline of a built optimizer with offloaded keys, else None."""
         keys = [k for k in optimizer.keys if k.buffers.offloaded]
-        if settings is None or not keys:
-            return None
+        if settings is None or not keys or not optimizer.bucketwise_update:
+            return None  # nothing offloaded, or the whole-shard path (no slots)
         return cls(keys, optimizer.device, settings.staging_slots, settings.pin_memory)
 
     def pinned_bytes(self) -> int:
         """Page-locked host bytes held (the staging slots only; the state is never pinned)."""
-        ring = list(self.grad_slots.values()) + list(self.out_slots.values())
-        return sum(sum(b.numel() * b.element_size() for b in r.buffers) for r in ring if r.pinned)
+        return sum(
+            sum(b.numel() * b.element_size() for b in r.buffers) for r in self._rings() if r.pinned
+        )
 
     def staging_bytes(self) -> int:
         """Host bytes of every staging slot."""
-        ring = list(self.grad_slots.values()) + list(self.out_slots.values())
-        return sum(sum(b.numel() * b.element_size() for b in r.buffers) for r in ring)
+        return sum(sum(b.numel() * b.element_size() for b in r.buffers) for r in self._rings())
+
+    def _rings(self) -> list[_Slots]:
+        return [*self.grad_slots.values(), *self.out_slots.values(), *self.param_slots.values()]
 
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
         if stream is None:
@@ -119,14 +128,23 @@ class OffloadPipeline:
             event.record(stream)
         return event
 
-    def _stage(self, key, bucket) -> tuple[int, torch.Tensor, torch.cuda.Event | None]:
+    def _stage(self, key, bucket) -> tuple:
+        """The bucket's grad chunk (and a remainder key's bf16 params) into the next slots:
+        (grads, params or None, the params' slot, the copy's event)."""
         buf = key.buffers
         ring = self.grad_slots[key.index]
         i, slot = ring.take()
-        view = slot[: bucket.chunk_numel]
-        event = self._copy(self.d2h, view, buf.shard_of_bucket(buf.grad_shard, bucket))
+        grads = slot[: bucket.chunk_numel]
+        event = self._copy(self.d2h, grads, buf.shard_of_bucket(buf.grad_shard, bucket))
         ring.events[i] = event
-        return i, view, event
+        params, j = None, None
+        if key.index in self.param_slots:
+            ring = self.param_slots[key.index]
+            j, slot = ring.take()
+            params = slot[: bucket.chunk_numel]
+            event = self._copy(self.d2h, params, buf.chunk(buf.param_space, bucket))
+            ring.events[j] = event  # reused only after its copy back (set below)
+        return grads, params, j, event
 
     @torch.no_grad()
     def run(self, optimizer, keys: list, scalars, skipped: bool) -> None:
@@ -138,7 +156,7 @@ class OffloadPipeline:
         staged = self._stage(*work[0]) if work else None
         for n, (key, bucket) in enumerate(work):
             buf = key.buffers
-            _, grads, event = staged
+            grads, params, param_slot, event = staged
             ahead = len(self.grad_slots[key.index].buffers) > 1
             if n + 1 < len(work) and ahead:  # the next transfer overlaps this bucket's update
                 staged = self._stage(*work[n + 1])
@@ -151,11 +169,17 @@ class OffloadPipeline:
                 o, out = self.out_slots[key.index].take()
                 out = out[: bucket.chunk_numel]
                 buf.host_out = ChunkedShard([out], [shard.start])
-            with optimizer.update_calls.within(key, shard):
-                optimizer._update(scalars)
-                calls = optimizer._calls(key)
-            if not skipped and not buf.out_by_copy:
+            device_master = buf.master
+            if params is not None:  # the staged bf16 half of the masters, updated in place
+                buf.master = ChunkedShard([params], [shard.start])
+            try:
+                with optimizer.update_calls.within(key, shard):
+                    optimizer._update(scalars)
+                    calls = optimizer._calls(key)
+            finally:
                 source = buf.master if out is None else buf.host_out
+                buf.master = device_master
+            if not skipped and not buf.out_by_copy:
                 event = None
                 for call in calls:
                     for shard_r, space_r in zip(call.shard_ranges, call.space_ranges):
@@ -166,6 +190,8 @@ class OffloadPipeline:
                         )
                 if out is not None:
                     self.out_slots[key.index].events[o] = event
+                if params is not None:
+                    self.param_slots[key.index].events[param_slot] = event
             host_state.release(buf)
             if n + 1 < len(work) and not ahead:  # one slot: the next copy after the update
                 staged = self._stage(*work[n + 1])
