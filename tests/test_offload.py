@@ -359,7 +359,7 @@ def state_dict_round_trip(rank, world):
 PLAN = [
     (1, [every_class, staging_ring, partial_fraction, auto_fraction, memory_split, refusals]),
     (2, [every_class, clipping_and_scaler, accumulation, hsdp, save_w2, state_dict_round_trip]),
-    (3, [state_formats, staging_ring, partial_fraction, resume_w3]),
+    (3, [state_formats, staging_ring, partial_fraction, resume_w3, refusals]),
     (4, [clipping_and_scaler, hsdp, auto_fraction]),
 ]
 
