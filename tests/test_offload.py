@@ -151,8 +151,12 @@ def _parity(name, rank, *, dtype=torch.float32, dtype_kw=None, offload="cpu", op
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
         history = []
         kw = dict(train_kw, scaler=scaler)
-        _train(model, opt, rank, range(4), each=lambda s, m=model, h=history: h.append(
-            [p.detach().clone() for p in m.parameters()]), **kw)  # fmt: skip
+
+        def each(step, m=model, o=opt, h=history):
+            o.wait_param_sync()  # (overlap_param_sync leaves the all-gathers in flight)
+            h.append([p.detach().clone() for p in m.parameters()])
+
+        _train(model, opt, rank, range(4), each=each, **kw)
         runs.append((history, opt.state_dict(), opt))
     (h0, sd0, _), (h1, sd1, opt1) = runs
     for step, (a, b) in enumerate(zip(h0, h1)):
@@ -187,6 +191,7 @@ def accumulation(rank, world):
     for name in ("Adam", "LAMB", "SGD"):
         _parity(name, rank, accumulate=1, no_sync=False)
         _parity(name, rank, dtype=BF16, accumulate=2, no_sync=True)
+    _parity("Adam", rank, dtype=BF16, opt_kw=dict(overlap_param_sync=True), clip=1.0)
 
 
 def state_formats(rank, world):
