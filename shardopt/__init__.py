@@ -11,6 +11,7 @@ from shardopt.optimizers import (
     FusedSGD,
 )
 from shardopt.zero import (
+    CPUOffload,
     DistributedFusedAdagrad,
     DistributedFusedAdam,
     DistributedFusedLAMB,
@@ -19,6 +20,7 @@ from shardopt.zero import (
 )
 
 __all__ = [
+    "CPUOffload",
     "DistributedFusedAdagrad",
     "DistributedFusedAdam",
     "DistributedFusedLAMB",

@@ -167,7 +167,7 @@ def _exchange(optimizer, direction: str, locals_: dict[int, dict[str, torch.Tens
                         recv[src].append(row if save else held)
         sent = [sum(t.numel() for t in lst) for lst in send]
         got = [sum(t.numel() for t in lst) for lst in recv]
-        flat = [t.reshape(-1).float() for lst in send for t in lst]
+        flat = [t.reshape(-1).to(optimizer.device, torch.float32) for lst in send for t in lst]
         out = torch.empty(sum(got), dtype=torch.float32, device=optimizer.device)
         if flat:
             inp = torch.cat(flat)

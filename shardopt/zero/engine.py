@@ -8,7 +8,9 @@ single-process class calls). The roles live in their own modules, composed here:
   - ``grad_sync``: the grad hooks and the bucketed reduce-scatter of one iteration;
   - ``amp``: the global grad norm, clipping and GradScaler handling;
   - ``param_sync``: the all-gather of the params after the update;
-  - ``state_io``: the state-I/O interface and the torch.optim state dict.
+  - ``state_io``: the state-I/O interface and the torch.optim state dict;
+  - ``offload_plan``, ``offload_auto``, ``host_state``, ``offload_pipeline``: CPU offload (which
+    keys live on the host, and their update there: see Note: the offloaded step).
 
 One step (default settings):
   1. backward: grads go into transient buckets, reduce-scattered as they fill (``grad_sync``);
@@ -55,7 +57,18 @@ import torch
 
 from shardopt import _ops
 from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
-from shardopt.zero import apex_compat, comm, sharded_params, state_storage, torch_clip, user_buffers
+from shardopt.zero import (
+    apex_compat,
+    comm,
+    host_state,
+    offload_auto,
+    offload_pipeline,
+    offload_plan,
+    sharded_params,
+    state_storage,
+    torch_clip,
+    user_buffers,
+)
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
@@ -79,6 +92,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
     #: whether the update rule runs on compact storage (remainders, 16-bit and 8-bit states)
     compact_storage: bool = False
     needs_grad_norm: bool = False  # LAMB's built-in clipping
+    #: CPU offload: the update can run one bucket at a time (elementwise, no per-step extras)
+    bucketwise_update: bool = False
     # torch.amp.GradScaler hands itself to step(grad_scaler=...): grads live in our buffers, so the
     # overflow check and unscaling happen inside the step (same decision on every rank).
     _step_supports_amp_scaling = True
@@ -100,6 +115,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         capturable: bool = False,
         skip_unused_params: bool = True,
         state_format: str | None = None,
+        offload: str | offload_plan.CPUOffload | None = None,
         **apex_args: Any,
     ) -> None:
         name = type(self).__name__
@@ -109,7 +125,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         process_group = apex["process_group"]
         apex_compat.check_apex_groups(name, whole_group, process_group, redundant_process_group)
         super().__init__(params, defaults)
-        error, storage, ub = None, None, None
+        error, storage, ub, offload_settings = None, None, None, None
         try:  # a setting wrong on one rank only must fail on every rank, not hang the others
             check_param_dtypes(self.param_groups, name)
             check_settings(
@@ -124,6 +140,12 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 state_format=state_format,
                 supported=self.compact_storage,
             )
+            offload_settings = offload_plan.resolve(name, offload)
+            if offload_settings is not None and capturable:
+                raise ValueError(
+                    f"{name}: capturable=True cannot offload (the CPU update syncs with the "
+                    "host); use offload=None"
+                )
             if apex["nccl_ub"]:
                 groups = [process_group]  # None: the default group
                 if redundant_process_group is not None:
@@ -134,6 +156,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         except (TypeError, ValueError, NotImplementedError) as e:
             error = e
         comm.raise_if_any(error, process_group)
+        fraction = offload_auto.agreed_fraction(self, offload_settings, storage, process_group)
         #: the NCCL-registered pool of ``nccl_ub=True`` (shardopt/zero/user_buffers.py), or None
         self._user_buffers = ub
         self.process_group = process_group
@@ -150,8 +173,10 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             skip_unused_params=skip_unused_params and not capturable,
             storage=storage,
             nccl_ub=apex["nccl_ub"],
+            offload_fraction=fraction,
         )
         self._pipeline_size = apex["pipeline_size"]
+        self._offload_settings = offload_settings
         self._build(name)
         apex_compat.check_device(name, apex["device"], self.device)
         # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
@@ -163,16 +188,20 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         ub = self._user_buffers
         process_group = self.process_group
         redundant_process_group = self.redundant_process_group
-        self.sharded = ShardedParams(
-            self.param_groups,
-            self.config,
-            self.state_names,
-            state_signed=self.state_signed,
-            process_group=process_group,
-            redundant_process_group=redundant_process_group,
-            owner=name,
-            allocating=ub.allocating if ub is not None else contextlib.nullcontext,
-        )
+        offload_settings = self._offload_settings
+        # offloaded host state is zero-filled by the intra-op threads that will update it (first
+        # touch places its pages near them)
+        with offload_auto.first_touch(self, offload_settings):
+            self.sharded = ShardedParams(
+                self.param_groups,
+                self.config,
+                self.state_names,
+                state_signed=self.state_signed,
+                process_group=process_group,
+                redundant_process_group=redundant_process_group,
+                owner=name,
+                allocating=ub.allocating if ub is not None else contextlib.nullcontext,
+            )
         if ub is not None:
             ub.register(self)
         sharded = self.sharded
@@ -212,6 +241,11 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             sharded, process_group=process_group, overlap=self.config.overlap_param_sync
         )
         self.update_calls = UpdateCalls(sharded)
+        #: what CPU offload does here (None without offload); see offload_plan.OffloadPlan
+        self._offload_plan = offload_auto.record(
+            self, offload_settings, self.config.offload_fraction
+        )
+        self._offload_pipeline = offload_pipeline.OffloadPipeline.of(self, offload_settings)
         sharded_params.claim(self.params, self)
         weakref.finalize(self, sharded_params.release, list(self.params), None)
 
@@ -272,6 +306,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
     capturable = property(lambda self: self.config.capturable)
     overlap_grad_sync = property(lambda self: self.config.overlap_grad_sync)
     overlap_param_sync = property(lambda self: self.config.overlap_param_sync)
+    offload_plan = property(lambda self: self._offload_plan)  # None without offload
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only the constructor's groups: the flat layout is planned from them at construction."""
@@ -392,7 +427,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 group["step"].add_(1)
             else:
                 group["step"].add_(1 - scalars.found_inf_t.reshape(()))
-        self._update(scalars)
+        offload_pipeline.update(self, scalars)  # _update(scalars), offloaded keys on the host
         self.param_sync.write_sync_space(scalars.found_inf_t)
         self.update_calls.end(scalars.found_inf_t)
         self.param_sync.start()
@@ -422,13 +457,26 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     # -- what the update rules read --------------------------------------------------------------
 
-    def _lr(self, group: dict) -> dict[str, Any]:
+    def _lr(self, group: dict, buf: Any = None) -> dict[str, Any]:
         """The kernels' lr arguments: a tensor lr (e.g. for a captured step, where a scheduler
-        writes the new value into the tensor) is read on the device, never on the host."""
+        writes the new value into the tensor) is read on the device, never on the host (on the
+        host for an offloaded key ``buf``)."""
         lr = group["lr"]
         if torch.is_tensor(lr):
-            return {"lr": 0.0, "lr_t": device_lr(lr, self.device)}
+            lr_t = device_lr(lr, self.device)
+            return {"lr": 0.0, "lr_t": self._to_update(buf, lr_t)}
         return {"lr": float(lr)}
+
+    @staticmethod
+    def _to_update(buf: Any, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` where ``buf``'s update runs (the host for an offloaded key)."""
+        if t is None or buf is None or not buf.offloaded:
+            return t
+        return host_state.to_host(t)
+
+    def _grads(self, buf: Any) -> torch.Tensor:
+        """The grad shard the update of ``buf`` reads (its host copy when offloaded)."""
+        return buf.host_grad if buf.offloaded else buf.grad_shard
 
     def _each_call(self) -> Iterator[tuple[dict, Any, Call]]:
         """(group, buffers, call) of every elementwise kernel call of this step, key by key."""
@@ -438,16 +486,18 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     def _calls(self, key: Key, per_tensor: bool = False) -> list[Call]:
         """This step's kernel calls over ``key`` (see Note: skipped params in update_calls.py):
-        per bucket chunk, or per fragment for rules with per-tensor norms."""
+        per bucket chunk, or per fragment for rules with per-tensor norms (inside
+        ``update_calls.within``, only those of its window)."""
         return self.update_calls.calls(key, per_tensor)
 
     def _kernel_scalars(
         self, group: dict, call: Call, scalars: StepScalars
     ) -> dict[str, torch.Tensor | None]:
+        buf = call.buffers
         return {
             "step_t": call.step_t(group),
-            "grad_scale_t": scalars.grad_scale_t,
-            "found_inf_t": scalars.found_inf_t,
+            "grad_scale_t": self._to_update(buf, scalars.grad_scale_t),
+            "found_inf_t": self._to_update(buf, scalars.found_inf_t),
         }
 
     def _member_index(self, key: Key) -> torch.Tensor:
@@ -456,12 +506,23 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     # -- introspection and DCP -------------------------------------------------------------------
 
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes of every buffer this optimizer holds on its device, summed over keys."""
+    def memory_bytes(self, where: str = "device") -> dict[str, int]:
+        """Bytes of every persistent buffer this optimizer holds, summed over keys.
+
+        Args:
+            where: ``"device"`` (the default): on its device; ``"host"``: in host memory (CPU
+                offload: the masters, states, remainders and scales of offloaded keys, under the
+                same names, and ``staging``, the exact-size staging slots; empty without
+                offload).
+        """
+        if where not in ("device", "host"):
+            raise ValueError(f"memory_bytes: where must be 'device' or 'host', got {where!r}")
         out: dict[str, int] = {}
         for key in self.keys:
-            for name, n in key.buffers.bytes().items():
+            for name, n in key.buffers.bytes(where).items():
                 out[name] = out.get(name, 0) + n
+        if where == "host" and self._offload_pipeline is not None:
+            out["staging"] = self._offload_pipeline.staging_bytes()
         return out
 
     def sharded_state_dict(self, model: torch.nn.Module | None = None) -> dict[str, Any]:

@@ -83,8 +83,15 @@ class KeyBuffers:
         state_signed: dict[str, bool] | None = None,
         persistent_grads: bool = False,
         comm_allocating: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+        offloaded: bool = False,
     ) -> None:
         self.layout = layout
+        #: CPU offload (host_state.py): master, state, remainder and scales live in host memory
+        #: and the update runs there; the params, sync space and grads stay on ``device``
+        self.offloaded = offloaded
+        #: where the update kernels run and the state lives
+        self.update_device = torch.device("cpu") if offloaded else device
+        state_device = self.update_device
         self.rank = rank
         self.device = device
         self.grad_dtype = grad_sync_dtype
@@ -102,13 +109,14 @@ class KeyBuffers:
         self.master_kind = storage.master_kind(param_dtype, param_sync_dtype)
         #: the master IS this rank's chunks of the params (updated in place, no copy)
         self.master_is_param = self.master_kind == "param"
-        self.master: Shard = (
-            torch.zeros(shard, dtype=torch.float32, device=device)
-            if self.master_kind == "copy"
-            else ChunkedShard(
+        if self.master_kind == "copy":
+            self.master: Shard = torch.zeros(shard, dtype=torch.float32, device=state_device)
+        elif offloaded and self.master_kind == "param":  # a host copy of the param chunks
+            self.master = torch.zeros(shard, dtype=param_dtype, device=state_device)
+        else:
+            self.master = ChunkedShard(
                 self.chunks(self.param_space), [b.shard_offset for b in layout.buckets]
             )
-        )
         #: the kernels cannot write this sync dtype (fp64, integer bits): the engine copies the
         #: masters into ``sync_space`` after the update (``write_sync``)
         self.out_by_copy = self.master_kind == "copy" and param_sync_dtype not in (
@@ -118,7 +126,7 @@ class KeyBuffers:
         )
         #: the int16 low halves of the fp32 masters of a ``remainder`` key
         self.remainder = (
-            torch.zeros(shard, dtype=torch.int16, device=device)
+            torch.zeros(shard, dtype=torch.int16, device=state_device)
             if self.master_kind == "remainder"
             else None
         )
@@ -129,20 +137,26 @@ class KeyBuffers:
                 (shard,),
                 state_codec.zero_code(self.state_signed[n]) if fmt == "int8" else 0,
                 dtype=state_codec.code_dtype(fmt),
-                device=device,
+                device=state_device,
             )
             for n in state_names
         }
         #: per-block fp32 scales of blockwise formats (zero scales decode to zero)
         self.scales = (
             {
-                n: torch.zeros(state_codec.num_blocks(shard), dtype=torch.float32, device=device)
+                n: torch.zeros(
+                    state_codec.num_blocks(shard), dtype=torch.float32, device=state_device
+                )
                 for n in state_names
             }
             if storage.blockwise
             else {}
         )
         self.fragments = layout.rank_fragments(rank)
+        #: offloaded keys, during a step: the host copy of the grad shard and the host out slot
+        #: the kernels write the new params into (host_state.py)
+        self.host_grad: torch.Tensor | None = None
+        self.host_out: torch.Tensor | None = None
         self.grad_buckets: dict[int, torch.Tensor] = {}  # live grad buffers of this iteration
         #: with NCCL user buffers (user_buffers.py) the grad buffers are allocated once, here
         self.persistent_grads = persistent_grads
@@ -234,19 +248,38 @@ class KeyBuffers:
         """A fragment's elements of a flattened full param."""
         return _view(full.reshape(-1), fragment.param_range)
 
-    def bytes(self) -> dict[str, int]:
-        """Bytes held per persistent buffer (``sync_space`` only when separate, ``master`` 0 when
-        the params are the masters, ``remainder`` and ``<state>_scales`` when kept,
-        ``grad_buckets`` and ``grad_shard`` when persistent); transient grad buffers are not
-        counted."""
+    def bytes(self, where: str = "device") -> dict[str, int]:
+        """Bytes held per persistent buffer on the device (``where="device"``: ``sync_space``
+        only when separate, ``master`` 0 when the params are the masters, ``remainder`` and
+        ``<state>_scales`` when kept, ``grad_buckets`` and ``grad_shard`` when persistent) or in
+        host memory (``where="host"``: what an offloaded key keeps there, ``master`` being the
+        host copy of the masters); transient grad buffers are not counted."""
 
         def size(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
+        if where == "host":
+            if not self.offloaded:
+                return {}
+            # a remainder key's bf16 half stays in the params: staged per bucket, not kept
+            out = {"master": size(self.master) if self.master_kind != "remainder" else 0}
+            if self.remainder is not None:
+                out["remainder"] = size(self.remainder)
+            out.update({name: size(t) for name, t in self.state.items()})
+            out.update({f"{name}_scales": size(t) for name, t in self.scales.items()})
+            return out
         out = {
             "param_space": size(self.param_space),
             "master": size(self.master) if self.master_kind == "copy" else 0,
         }
+        if self.offloaded:
+            out["master"] = 0
+            if self.sync_space is not self.param_space:
+                out["sync_space"] = size(self.sync_space)
+            if self.persistent_grads:
+                out["grad_buckets"] = sum(size(t) for t in self._grad_store.values())
+                out["grad_shard"] = size(self.grad_shard)
+            return out
         if self.remainder is not None:
             out["remainder"] = size(self.remainder)
         if self.sync_space is not self.param_space:

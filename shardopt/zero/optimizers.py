@@ -57,6 +57,8 @@ ZERO_ARGS_DOC = """
         capturable: the step may be captured in a CUDA graph (with the forward and backward):
             no host sync, every collective joined before step() returns, lr may be a device
             tensor; needs overlap_param_sync=False and no GradScaler.
+        offload: "cpu" or a ``shardopt.CPUOffload``: masters and state of (a fraction of) this
+            rank's shard live in host memory, updated there by the same kernels (docs/offload.md).
         foreach, fused: accepted for torch.optim compatibility; no effect.
         maximize, differentiable: must be False (True raises NotImplementedError).
 
@@ -92,6 +94,7 @@ class DistributedFusedAdam(DistributedOptimizer):
     state_names = ("exp_avg", "exp_avg_sq")
     state_signed = {"exp_avg": True, "exp_avg_sq": False}
     compact_storage = True
+    bucketwise_update = True
 
     def __init__(
         self,
@@ -124,13 +127,13 @@ class DistributedFusedAdam(DistributedOptimizer):
                 continue
             adam_apply(
                 group,
-                call.of(buf.grad_shard),
+                call.of(self._grads(buf)),
                 call.of(buf.master),
                 call.of(buf.state["exp_avg"]),
                 call.of(buf.state["exp_avg_sq"]),
                 call.outs(),
                 step=0,
-                **self._lr(group),
+                **self._lr(group, buf),
                 **self._kernel_scalars(group, call, scalars),
             )
 
@@ -144,7 +147,7 @@ class DistributedFusedAdam(DistributedOptimizer):
         beta1, beta2 = group["betas"]
         _compact_ops.adam_compact(
             [
-                call.of(buf.grad_shard),
+                call.of(self._grads(buf)),
                 masters,
                 call.of(buf.remainder) if buf.remainder is not None else [],
                 call.of(buf.state["exp_avg"]),
@@ -159,7 +162,7 @@ class DistributedFusedAdam(DistributedOptimizer):
             bias_correction=group["bias_correction"],
             weight_decay=group["weight_decay"],
             state_format=buf.storage.state_format,
-            **self._lr(group),
+            **self._lr(group, buf),
             **self._kernel_scalars(group, call, scalars),
         )
         outs = call.outs()
@@ -215,15 +218,15 @@ class DistributedFusedSGD(DistributedOptimizer):
                 first = (call.step_t(group) <= 1).float() if call.offset else first_run[gi]
                 sgd_apply(
                     group,
-                    call.of(buf.grad_shard),
+                    call.of(self._grads(buf)),
                     call.of(buf.master),
                     call.of(buf.state["momentum_buffer"]),
                     call.outs(),
                     first_run=False,
-                    first_run_t=first,
-                    **self._lr(group),
-                    grad_scale_t=scalars.grad_scale_t,
-                    found_inf_t=scalars.found_inf_t,
+                    first_run_t=self._to_update(buf, first),
+                    **self._lr(group, buf),
+                    grad_scale_t=self._to_update(buf, scalars.grad_scale_t),
+                    found_inf_t=self._to_update(buf, scalars.found_inf_t),
                 )
         for started in self._momentum_started:
             if scalars.found_inf_t is None:
@@ -243,6 +246,7 @@ class DistributedFusedAdagrad(DistributedOptimizer):
     """ZeRO-sharded Adagrad: ``FusedAdagrad``'s math on this rank's shard."""
 
     state_names = ("sum",)
+    bucketwise_update = True
 
     def __init__(
         self,
@@ -261,13 +265,13 @@ class DistributedFusedAdagrad(DistributedOptimizer):
         for group, buf, call in self._each_call():
             adagrad_apply(
                 group,
-                call.of(buf.grad_shard),
+                call.of(self._grads(buf)),
                 call.of(buf.master),
                 call.of(buf.state["sum"]),
                 call.outs(),
-                **self._lr(group),
-                grad_scale_t=scalars.grad_scale_t,
-                found_inf_t=scalars.found_inf_t,
+                **self._lr(group, buf),
+                grad_scale_t=self._to_update(buf, scalars.grad_scale_t),
+                found_inf_t=self._to_update(buf, scalars.found_inf_t),
             )
 
 
@@ -335,32 +339,32 @@ class DistributedFusedLAMB(DistributedOptimizer):
                 step_t = call.step_t(group)
                 w_sq, u_sq = lamb_stage1_apply(
                     group,
-                    call.of(buf.grad_shard),
+                    call.of(self._grads(buf)),
                     masters,
                     exp_avg,
                     exp_avg_sq,
                     step=0,
-                    grad_scale_t=grad_scale_t,
+                    grad_scale_t=self._to_update(buf, grad_scale_t),
                     step_t=step_t,
-                    found_inf_t=scalars.found_inf_t,
+                    found_inf_t=self._to_update(buf, scalars.found_inf_t),
                 )
                 sums[:n].index_add_(0, call.index, w_sq.to(self.device, torch.float32))
                 sums[n:].index_add_(0, call.index, u_sq.to(self.device, torch.float32))
-                staged.append((call, group, masters, exp_avg, exp_avg_sq, step_t))
+                staged.append((call, group, buf, masters, exp_avg, exp_avg_sq, step_t))
         comm.all_reduce(sums, self.process_group)
-        for call, group, masters, exp_avg, exp_avg_sq, step_t in staged:
+        for call, group, buf, masters, exp_avg, exp_avg_sq, step_t in staged:
             lamb_stage2_apply(
                 group,
                 masters,
                 exp_avg,
                 exp_avg_sq,
                 call.outs(),
-                sums[:n].index_select(0, call.index),
-                sums[n:].index_select(0, call.index),
-                **self._lr(group),
+                self._to_update(buf, sums[:n].index_select(0, call.index)),
+                self._to_update(buf, sums[n:].index_select(0, call.index)),
+                **self._lr(group, buf),
                 step=0,
                 step_t=step_t,
-                found_inf_t=scalars.found_inf_t,
+                found_inf_t=self._to_update(buf, scalars.found_inf_t),
             )
 
 
@@ -419,7 +423,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             for call in calls[key.index]:
                 if not call.shard_ranges:
                     continue
-                _, per = _ops.norm(call.of(buf.grad_shard), max_norm=inf_norm)
+                _, per = _ops.norm(call.of(buf.grad_shard), max_norm=inf_norm)  # on the device
                 per = per.to(self.device, torch.float32)
                 if inf_norm:
                     maxes.scatter_reduce_(0, call.index, per, reduce="amax")
@@ -462,13 +466,13 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
                     continue
                 novograd_apply(
                     group,
-                    call.of(buf.grad_shard),
+                    call.of(self._grads(buf)),
                     call.of(buf.master),
                     call.of(buf.state["exp_avg"]),
                     call.outs(),
-                    self.second_moment.index_select(0, call.index),
+                    self._to_update(buf, self.second_moment.index_select(0, call.index)),
                     step=0,
-                    **self._lr(group),
+                    **self._lr(group, buf),
                     **self._kernel_scalars(group, call, scalars),
                 )
 

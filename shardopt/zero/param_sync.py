@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from shardopt.zero import comm
+from shardopt.zero import comm, host_state
 from shardopt.zero.grad_sync import BucketId
 from shardopt.zero.sharded_params import ShardedParams
 from shardopt.zero.sync_bits import sync_to_params, write_sync
@@ -86,6 +86,8 @@ class ParamSync:
         """Writes the master shards into the params and all-gathers them (blocking)."""
         for key in self.sharded.keys:
             buf = key.buffers
+            if buf.offloaded and buf.master_kind != "copy":
+                host_state.push_params(buf)  # the host copy of the masters into the params
             if buf.master_kind != "copy":
                 continue  # the all-gather reads the params' chunks, which are the masters
             for master, out in zip(buf.per_fragment(buf.master), buf.fragment_outs(buf.sync_space)):

@@ -19,9 +19,10 @@ import torch
 
 from shardopt import _ops
 from shardopt.optimizers.fused_optimizer import LOW_PRECISION
-from shardopt.zero import comm
+from shardopt.zero import comm, host_state
 from shardopt.zero.flat_buffer import KeyBuffers
 from shardopt.zero.layout import KeyLayout, Range, plan_key
+from shardopt.zero.offload_plan import split_params
 from shardopt.zero.state_storage import Storage
 from shardopt.zero.sync_bits import sync_to_params, write_sync
 
@@ -100,6 +101,9 @@ class ShardingConfig:
     #: (engine param index, grad-sync dtype, param-sync dtype) of params given other dtypes by
     #: Apex's ``init_params(params, grad_sync_dtype=..., param_sync_dtype=...)``, by index
     per_param: tuple[tuple[int, torch.dtype, torch.dtype], ...] = ()
+    #: CPU offload: the share of each key's elements whose state lives on the host (None: no
+    #: offload; see Note: which params stay on the GPU in offload_plan.py)
+    offload_fraction: float | None = None
 
     def describe(self) -> tuple:
         return tuple(str(v) for v in self.__dict__.values())
@@ -263,7 +267,17 @@ class ShardedParams:
                     by_key.setdefault((gi, p.dtype, *dtypes_of(i, p.dtype)), []).append(i)
         config = self.config
         keys = []
+        parts = []
         for (gi, dtype, grad_dtype, sync_dtype), indices in by_key.items():
+            if config.offload_fraction is None:
+                parts.append((gi, dtype, grad_dtype, sync_dtype, indices, False))
+                continue
+            kept = split_params([self.params[i].numel() for i in indices], config.offload_fraction)
+            if kept < len(indices):  # the host part first: its grads arrive first
+                parts.append((gi, dtype, grad_dtype, sync_dtype, indices[kept:], True))
+            if kept > 0:
+                parts.append((gi, dtype, grad_dtype, sync_dtype, indices[:kept], False))
+        for gi, dtype, grad_dtype, sync_dtype, indices, offloaded in parts:
             smallest = min(t.itemsize for t in (dtype, grad_dtype, sync_dtype))
             bucket_numel = int(config.bucket_cap_mb * 2**20) // grad_dtype.itemsize
             layout = plan_key(
@@ -284,6 +298,7 @@ class ShardedParams:
                 state_signed=state_signed,
                 persistent_grads=config.nccl_ub,
                 comm_allocating=self.allocating,
+                offloaded=offloaded,
             )
             keys.append(Key(len(keys), gi, dtype, layout, buffers))
         return keys
@@ -301,6 +316,8 @@ class ShardedParams:
                 view.copy_(p.data)
                 p.data = view
                 self.views[i] = view
+            if buf.offloaded and buf.master_kind != "copy":
+                host_state.pull_params(buf)  # the host copy of the params' chunks
             if buf.master_kind != "copy":  # the params' chunks are (the top halves of) masters
                 continue
             for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
@@ -341,6 +358,26 @@ class ShardedParams:
             rebound.append(i)
         return rebound
 
+    def _written(self) -> set[int]:
+        """Engine params written or re-bound since the optimizer last wrote them."""
+        changed = set(self.check_bindings())
+        for i, (p, seen) in enumerate(zip(self.params, self._versions)):
+            if p._version != seen:
+                changed.add(i)
+        return changed
+
+    @torch.no_grad()
+    def pull_written_params(self) -> None:
+        """CPU offload, before state I/O: the host copies of the params of ``param`` and
+        ``remainder`` keys follow params written since (``model.load_state_dict`` before the
+        optimizer's load), as the params themselves are those masters without offload; with
+        ``force`` (after state I/O wrote the host copies) ``refresh_masters`` leaves them."""
+        changed_keys = {self.param_key[i].index for i in self._written()}
+        for key in self.keys:
+            buf = key.buffers
+            if buf.offloaded and buf.master_kind != "copy" and key.index in changed_keys:
+                host_state.pull_params(buf)
+
     @torch.no_grad()
     def refresh_masters(self, force: bool = False) -> None:
         """Re-seeds the masters of params written (or re-bound) since the optimizer last wrote
@@ -349,11 +386,7 @@ class ShardedParams:
         (the written values carry none; ``force`` leaves them: state I/O already kept the loaded
         ones only where they round to the param). Params that are their own masters need
         nothing."""
-        rebound = self.check_bindings()
-        changed = set(rebound)
-        for i, (p, seen) in enumerate(zip(self.params, self._versions)):
-            if p._version != seen:
-                changed.add(i)
+        changed = self._written()
         changed_keys = {self.param_key[i].index for i in changed}
         for key in self.keys:
             buf = key.buffers
@@ -361,7 +394,10 @@ class ShardedParams:
                 for f, master in zip(buf.fragments, buf.per_fragment(buf.master)):
                     param = buf.fragment_param_view(self.params[f.param].data, f)
                     master.copy_(merge_master(master, param, buf.sync_space.dtype))
-            elif buf.master_kind == "remainder" and not force and key.index in changed_keys:
+                continue
+            if buf.offloaded and not force and key.index in changed_keys:
+                host_state.pull_params(buf)  # the host copy follows the params
+            if buf.master_kind == "remainder" and not force and key.index in changed_keys:
                 for f in buf.fragments:
                     if f.param in changed:
                         buf.fragment(buf.remainder, f).zero_()
@@ -374,6 +410,7 @@ def merge_master(
     """The master to keep for ``param``: the master where it still rounds (to the dtype params are
     gathered in, or through the bits an integer sync dtype carries) to the param's value, else
     the param's value (see Note: the params are the truth)."""
+    param = param.to(master.device)  # an offloaded master lives on the host
     if sync_dtype.is_floating_point:
         rounded = master.to(sync_dtype).to(param.dtype)
     else:  # Apex's bit copy: the param holds the bits the sync element carries

@@ -65,6 +65,7 @@ class StateIO:
         ``publish_masters()``.
         """
         sharded = self.sharded
+        sharded.pull_written_params()  # CPU offload: host copies of the params follow them
         staged = getattr(self, "_staged", None)
         if writable and staged is None:
             staged = self._staged = {}
@@ -196,7 +197,7 @@ class StateIO:
                 gathered = {}
                 chunk = Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
                 for name in names:
-                    mine = state_storage.read(buf, name, chunk)
+                    mine = state_storage.read(buf, name, chunk).to(sharded.device)  # offload
                     out = torch.empty(bucket.numel, dtype=mine.dtype, device=sharded.device)
                     comm.all_gather(out, mine, self.process_group, async_op=False).wait()
                     gathered[name] = out.cpu()

@@ -137,8 +137,9 @@ def read(buffers, name: str, r: Range) -> torch.Tensor:
     buf, fmt = buffers, buffers.storage.state_format
     if name == MASTER:
         master = buf.shard_slice(buf.master, r)
-        if buf.master_kind == "remainder":
-            return state_codec.join_master(master, buf.shard_slice(buf.remainder, r))
+        if buf.master_kind == "remainder":  # (offloaded: bf16 half on the device, rest on host)
+            remainder = buf.shard_slice(buf.remainder, r)
+            return state_codec.join_master(master.to(remainder.device), remainder)
         return master.float()  # a copy for 16-bit own masters, the values for fp32
     codes = buf.shard_slice(buf.state[name], r)
     scales = None
@@ -156,11 +157,13 @@ def write(buffers, name: str, r: Range, values: torch.Tensor) -> None:
     if name == MASTER:
         master = buf.shard_slice(buf.master, r)
         if buf.master_kind == "remainder":
+            values = values.to(buf.remainder.device)
+            master = master.to(buf.remainder.device)  # a copy when offloaded, written back below
             rounded, remainder = state_codec.split_master(values)
             keep = rounded == master  # the params are the truth
             values = torch.where(keep, values, master.float())
             rounded, remainder = state_codec.split_master(values)
-            master.copy_(rounded)
+            buf.shard_slice(buf.master, r).copy_(rounded)
             buf.shard_slice(buf.remainder, r).copy_(remainder)
         elif buf.master_kind == "copy" or master.dtype == torch.float32:
             master.copy_(values)

@@ -15,6 +15,8 @@ Note: skipped params
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +52,35 @@ class Call:
         buf = self.buffers
         if buf.master_is_param or buf.out_by_copy:
             return None
+        if buf.offloaded:  # the host out slot, in shard coordinates (host_state.py)
+            if buf.host_out is None:  # a remainder key: the update writes its host params
+                return None
+            return [buf.shard_slice(buf.host_out, r) for r in self.shard_ranges]
         return [buf.sync_space.narrow(0, r.start, r.numel) for r in self.space_ranges]
 
+    def within(self, window: Range) -> Call:
+        """The part of this call inside shard range ``window`` (one bucket's chunk: every range
+        of a call lies within one chunk, so a range is wholly in or out)."""
+        keep = [
+            j
+            for j, r in enumerate(self.shard_ranges)
+            if r.start >= window.start and r.end <= window.end
+        ]
+        index = self.index
+        if index is not None and len(keep) != len(self.shard_ranges):
+            index = index[torch.tensor(keep, dtype=torch.long, device=index.device)]
+        return Call(
+            self.buffers,
+            [self.shard_ranges[j] for j in keep],
+            [self.space_ranges[j] for j in keep],
+            self.offset,
+            index,
+        )
+
     def step_t(self, group: dict) -> torch.Tensor:
-        """The params' own step (device tensor): the group's minus the skipped steps."""
-        step = group["step"].reshape(1)
+        """The params' own step (a tensor where the update runs): the group's minus the skipped
+        steps."""
+        step = group["step"].reshape(1).to(self.buffers.update_device)
         return step - self.offset if self.offset else step
 
 
@@ -66,6 +92,18 @@ class UpdateCalls:
         #: engine param -> steps it was skipped (no grad on any rank)
         self.offsets = [0] * len(sharded.params)
         self.unused: frozenset[int] = frozenset()
+        #: (key, shard range) the calls are limited to, see ``within``
+        self.window: tuple[Key | None, Range | None] | None = None
+
+    @contextlib.contextmanager
+    def within(self, key: Key | None, shard: Range | None) -> Iterator[None]:
+        """Inside, ``calls`` covers only shard range ``shard`` of ``key`` (key None: only the
+        keys that are not offloaded); see Note: the offloaded step in offload_pipeline.py."""
+        self.window = (key, shard)
+        try:
+            yield
+        finally:
+            self.window = None
 
     @property
     def any_skipped(self) -> bool:
@@ -90,6 +128,17 @@ class UpdateCalls:
         return torch.tensor(self.offsets, dtype=torch.float32, device=self.sharded.device)
 
     def calls(self, key: Key, per_tensor: bool) -> list[Call]:
+        calls = self._planned(key, per_tensor)
+        if self.window is None:
+            return calls
+        only, shard = self.window
+        if only is None:  # the keys that are not offloaded
+            return [] if key.buffers.offloaded else calls
+        if key is not only:
+            return []
+        return [c for c in (call.within(shard) for call in calls) if c.shard_ranges]
+
+    def _planned(self, key: Key, per_tensor: bool) -> list[Call]:
         buf = key.buffers
         buckets = key.layout.buckets
         if not self.any_skipped:

@@ -1,0 +1,185 @@
+"""CPU offload settings and the plan of what is offloaded: pure data, no torch.distributed.
+
+``CPUOffload`` is what users pass (``offload="cpu"`` is ``CPUOffload()``). ``resolve`` checks it;
+``split_params`` cuts a key's params into the part whose masters, state and update live on the
+host and the part that stays on the GPU; ``plan_fraction`` is the ``fraction="auto"`` decision as
+a pure function of measured speeds (milliseconds and bytes), so it is tested as data.
+
+Note: which params stay on the GPU
+    Within a key params are laid out in reverse registration order (layout.py), so backward
+    produces the last-registered params first and the next forward needs the first-registered
+    params first. ``fraction`` of the key's elements, taken from the last-registered params, is
+    offloaded: their reduce-scatters finish first (their CPU update can start earliest) and their
+    all-gathers are needed last. The first-registered params (``1 - fraction``) keep the GPU
+    path. A split key becomes two keys (host part first, so the launch order of the
+    reduce-scatters stays the order grads arrive); ``fraction=1`` keeps every key whole, so its
+    layout and results are those of the same optimizer without offload, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+#: the offloaded share of a key is rounded to whole params; a param is never split between the
+#: host and the GPU
+Fraction = float | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep this rank's shard of masters and optimizer state in host memory; update it there.
+
+    Args:
+        fraction: share of this rank's shard (in elements, rounded to whole params) whose state
+            and update live on the CPU, in [0, 1]; the rest (the params backward produces last,
+            which the next forward needs first) keep the GPU path. ``"auto"`` picks it from the
+            measured CPU update speed, host-device copy speed and free GPU memory (see
+            docs/offload.md); the choice and its reason are logged once (``shardopt`` logger)
+            and kept in ``optimizer.offload_plan``.
+        pin_memory: stage grads and updated params through page-locked host buffers of exact
+            size (CUDA jobs; the state itself is never pinned).
+        threads: CPU threads for the update (torch intra-op threads of this process); None:
+            the cores this process may use, split evenly among the local ranks
+            (``LOCAL_WORLD_SIZE``).
+        staging_slots: page-locked staging buffers per direction (each the size of the largest
+            bucket chunk).
+    """
+
+    fraction: Fraction = 1.0
+    pin_memory: bool = True
+    threads: int | None = None
+    staging_slots: int = 4
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What one optimizer offloads (``optimizer.offload_plan``, read-only)."""
+
+    fraction: float  # the fraction in effect
+    requested: Fraction  # what the user asked for
+    reason: str  # why this fraction (the measurements for "auto")
+    threads: int  # CPU threads of the update
+    host_params: int = 0  # trainable params whose update runs on the CPU
+    device_params: int = 0  # trainable params whose update stays on the GPU
+    host_numel: int = 0  # elements of this rank's shard on the host
+    device_numel: int = 0  # elements of this rank's shard on the GPU
+    measurements: dict[str, float] = field(default_factory=dict)
+
+
+def resolve(owner: str, offload: object) -> CPUOffload | None:
+    """The settings from the ``offload`` keyword; raises naming the problem."""
+    if offload is None:
+        return None
+    if isinstance(offload, str):
+        if offload != "cpu":
+            raise ValueError(
+                f"{owner}: offload must be None, 'cpu' or a shardopt.CPUOffload, got {offload!r}"
+            )
+        return CPUOffload()
+    if not isinstance(offload, CPUOffload):
+        raise TypeError(
+            f"{owner}: offload must be None, 'cpu' or a shardopt.CPUOffload, got "
+            f"{type(offload).__name__}"
+        )
+    f = offload.fraction
+    if f != "auto":
+        if isinstance(f, bool) or not isinstance(f, int | float):
+            raise TypeError(f"{owner}: CPUOffload.fraction must be a float or 'auto', got {f!r}")
+        if not 0.0 <= float(f) <= 1.0:
+            raise ValueError(f"{owner}: CPUOffload.fraction must be in [0, 1], got {f}")
+    t = offload.threads
+    if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+        raise ValueError(f"{owner}: CPUOffload.threads must be a positive int or None, got {t!r}")
+    s = offload.staging_slots
+    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+        raise ValueError(f"{owner}: CPUOffload.staging_slots must be a positive int, got {s!r}")
+    pin = offload.pin_memory
+    if not isinstance(pin, bool):
+        raise TypeError(f"{owner}: CPUOffload.pin_memory must be a bool, got {pin!r}")
+    return offload
+
+
+def thread_budget(threads: int | None, env: dict[str, str] | None = None) -> int:
+    """CPU threads of one rank's update: ``threads``, or the usable cores split evenly among the
+    local ranks (``LOCAL_WORLD_SIZE``), so ranks of one host never oversubscribe it."""
+    if threads is not None:
+        return threads
+    env = os.environ if env is None else env
+    local = env.get("LOCAL_WORLD_SIZE", "1")
+    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // ranks)
+
+
+def split_params(numels: list[int], fraction: float) -> int:
+    """How many of a key's params (given in registration order) stay on the GPU: the first ones,
+    so that the last-registered ones hold ``fraction`` of the elements, rounded to the nearest
+    whole param (see Note: which params stay on the GPU)."""
+    total = sum(numels)
+    if fraction >= 1.0 or total == 0:
+        return 0
+    if fraction <= 0.0:
+        return len(numels)
+    target = fraction * total
+    offloaded, best, best_err = 0, len(numels), target
+    for kept in range(len(numels) - 1, -1, -1):  # offload params kept..end
+        offloaded += numels[kept]
+        err = abs(offloaded - target)
+        if err < best_err:
+            best, best_err = kept, err
+    return best
+
+
+def plan_fraction(
+    *,
+    numel: int,
+    device_bytes_per_param: float,
+    free_device_bytes: float,
+    cpu_ms_per_param: float,
+    copy_ms_per_param: float,
+    gpu_ms_per_param: float,
+    backward_ms: float,
+) -> tuple[float, str]:
+    """The ``fraction="auto"`` decision: (fraction, reason), from measurements.
+
+    The step of fraction f is about ``max(backward, f*n*(cpu + copy)) + (1-f)*n*gpu``: the CPU
+    update and the copies of the offloaded part overlap backward (and each other), the GPU
+    update of the rest does not. The shortest such step that fits in memory is taken: the
+    smallest f whose GPU state (``(1-f)*n*device_bytes_per_param``) fits in the free GPU memory;
+    above it, the f that minimises the step.
+
+    Args:
+        numel: elements of this rank's shard.
+        device_bytes_per_param: GPU bytes per element that offloading frees (master and state).
+        free_device_bytes: GPU memory free for optimizer state.
+        cpu_ms_per_param, copy_ms_per_param, gpu_ms_per_param: measured update and copy time
+            per element (the copy: grad down and param up).
+        backward_ms: the backward pass (the window the CPU update can hide in).
+    """
+    if numel <= 0:
+        return 1.0, "nothing to offload (empty shard)"
+    need = numel * device_bytes_per_param
+    floor = 0.0 if need <= free_device_bytes else 1.0 - free_device_bytes / need
+    floor = min(max(floor, 0.0), 1.0)
+    host_ms = numel * (cpu_ms_per_param + copy_ms_per_param)
+    gpu_ms = numel * gpu_ms_per_param
+
+    def step_ms(f: float) -> float:
+        return max(backward_ms, f * host_ms) + (1.0 - f) * gpu_ms
+
+    # step_ms is piecewise linear: its minimum over [floor, 1] is at an end or at the knee
+    knee = backward_ms / host_ms if host_ms > 0 else 1.0
+    candidates = sorted({floor, 1.0, min(max(knee, floor), 1.0)})
+    best = min(candidates, key=lambda f: (round(step_ms(f), 9), f))
+    reason = (
+        f"state {need / 2**30:.2f} GiB vs {free_device_bytes / 2**30:.2f} GiB free on the GPU "
+        f"(offload at least {floor:.3f}); CPU update + copies {host_ms:.1f} ms, GPU update "
+        f"{gpu_ms:.1f} ms, backward {backward_ms:.1f} ms: step ~{step_ms(best):.1f} ms at "
+        f"fraction {best:.3f}"
+    )
+    return best, reason
