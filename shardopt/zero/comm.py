@@ -118,10 +118,19 @@ def barrier() -> None:
 def raise_if_any(error: Exception | None, group: ProcessGroup | None) -> None:
     """Collective: re-raises ``error`` here, and on every other rank raises the same type naming
     the first rank that failed (so a check that fails on one rank never hangs the others)."""
-    errors = all_gather_object(None if error is None else (type(error), str(error)), group)
+    gather_checked(error, None, group)
+
+
+def gather_checked(error: Exception | None, payload, group: ProcessGroup | None) -> list:
+    """Collective: ``raise_if_any(error)``, and every rank's ``payload`` when no rank failed (one
+    all-gather serves a local check and a comparison across ranks)."""
+    everyone = all_gather_object(
+        (None if error is None else (type(error), str(error)), payload), group
+    )
     if error is not None:
         raise error
-    for r, e in enumerate(errors):
+    for r, (e, _) in enumerate(everyone):
         if e is not None:
             kind, message = e
             raise kind(f"rank {r} failed: {message}")
+    return [p for _, p in everyone]

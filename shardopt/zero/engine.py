@@ -46,6 +46,8 @@ A ``torch.compile(module)`` wrapper runs no module hooks inside its graph, so th
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -121,6 +123,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 state_format=state_format,
                 supported=self.compact_storage,
             )
+            if storage.remainders:
+                _check_remainders(name, self.param_groups, param_sync_dtype)
             if apex["nccl_ub"]:
                 groups = [process_group]  # None: the default group
                 if redundant_process_group is not None:
@@ -436,5 +440,27 @@ def _check_settings(
             f"{name}: capturable=True needs the param all-gathers to finish inside step() "
             "(a CUDA graph must join all its work); use overlap_param_sync=False"
         )
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"{name}: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    if not isinstance(bucket_cap_mb, numbers.Real) or isinstance(bucket_cap_mb, bool):
+        raise TypeError(f"{name}: bucket_cap_mb must be a number of MB, got {bucket_cap_mb!r}")
+    if not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
+        raise ValueError(
+            f"{name}: bucket_cap_mb must be a positive finite number of MB, got {bucket_cap_mb}"
+        )
+
+
+def _check_remainders(name: str, param_groups: list[dict], param_sync_dtype) -> None:
+    """``store_param_remainders=True`` only means something for bf16 params gathered in bf16
+    (an fp32 param is its own master, an fp16 one has no bf16 top half): refused where it would
+    be ignored, rather than silently keeping fp32 masters."""
+    dtypes = {p.dtype for g in param_groups for p in g["params"] if p.requires_grad}
+    if torch.float16 in dtypes:
+        raise ValueError(
+            f"{name}: store_param_remainders=True keeps an int16 remainder under a bf16 param; "
+            "fp16 params have no such split (use it with bf16 params, or leave it off)"
+        )
+    if torch.bfloat16 not in dtypes or param_sync_dtype not in (None, torch.bfloat16):
+        raise ValueError(
+            f"{name}: store_param_remainders=True applies to bf16 params gathered in bf16, but "
+            f"the trainable params are {sorted(str(d) for d in dtypes)} with param_sync_dtype="
+            f"{param_sync_dtype}: it would change nothing; leave it off"
+        )

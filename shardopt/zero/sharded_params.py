@@ -101,6 +101,58 @@ class ShardingConfig:
         return torch.float32 if param_dtype in LOW_PRECISION + (torch.float64,) else param_dtype
 
 
+def describe_hyperparams(
+    groups: list[dict[str, Any]], skip: frozenset[str] = frozenset()
+) -> list[dict[str, str]]:
+    """Each group's hyperparameters as comparable strings (a 1-element tensor by its value;
+    values that have no meaning on another rank, such as a multi-element tensor or an object,
+    are left out), for the checks that every rank holds the same ones."""
+
+    def text(v: Any) -> str | None:
+        if torch.is_tensor(v):
+            return repr(float(v.item())) if v.numel() == 1 else None
+        if isinstance(v, (tuple, list)):
+            parts = [text(x) for x in v]
+            return None if None in parts else "(" + ", ".join(parts) + ")"  # type: ignore[arg-type]
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return repr(float(v)) if isinstance(v, int) and not isinstance(v, bool) else repr(v)
+        return None
+
+    out = []
+    for g in groups:
+        desc = {k: text(v) for k, v in g.items() if k != "params" and k not in skip}
+        out.append({k: v for k, v in desc.items() if v is not None})
+    return out
+
+
+def hyperparam_diffs(
+    mine: list[dict[str, str]], everyone: list[list[dict[str, str]]], rank: int
+) -> list[str]:
+    """What differs between this rank's ``describe_hyperparams`` and every other rank's."""
+    diffs = []
+    for r, other in enumerate(everyone):
+        for gi, (a, b) in enumerate(zip(mine, other)):
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != b.get(k):
+                    diffs.append(
+                        f"group {gi} {k}: rank {rank} has {a.get(k, 'nothing')}, rank {r} has "
+                        f"{b.get(k, 'nothing')}"
+                    )
+    return diffs
+
+
+def raise_if_hyperparams_differ(
+    owner: str, what: str, mine: list[dict[str, str]], everyone: list, rank: int
+) -> None:
+    """ValueError on every rank (each compares itself with all) when hyperparameters differ."""
+    diffs = hyperparam_diffs(mine, everyone, rank)
+    if diffs:
+        raise ValueError(
+            f"{owner}: {what} differ between ranks (every rank must use the same lr, betas, "
+            "weight_decay, ...; each would update its shard with its own): " + "; ".join(diffs[:5])
+        )
+
+
 class ShardedParams:
     """The optimizer's params, their keys and the index maps between them.
 
@@ -182,9 +234,10 @@ class ShardedParams:
         first collective."""
         desc = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in self.all_params]
         groups = [len(g["params"]) for g in param_groups]
-        mine = (desc, groups, self.config.describe())
+        hyper = describe_hyperparams(param_groups)
+        mine = (desc, groups, self.config.describe(), hyper)
         everyone = comm.all_gather_object(mine, self.process_group)
-        for r, (other, other_groups, other_config) in enumerate(everyone):
+        for r, (other, other_groups, other_config, _) in enumerate(everyone):
             diffs = [
                 f"param {i}: rank {self.rank} has {a}, rank {r} has {b}"
                 for i, (a, b) in enumerate(zip(desc, other))
@@ -214,6 +267,9 @@ class ShardedParams:
                     f"{self.owner}: sharding settings differ between ranks (they must be equal on "
                     "every rank): " + "; ".join(settings)
                 )
+        raise_if_hyperparams_differ(
+            self.owner, "group hyperparameters", hyper, [e[3] for e in everyone], self.rank
+        )
 
     def _broadcast(self, redundant_process_group: comm.ProcessGroup | None) -> None:
         """Every rank starts from rank 0's params, as DDP does."""
