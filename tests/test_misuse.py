@@ -1,5 +1,10 @@
 """Misuse as a table: (build, expected exception type, message regex)."""
 
+import contextlib
+import os
+import tempfile
+import time
+
 import pytest
 import torch
 from dist_harness import run_cases
@@ -13,7 +18,9 @@ from shardopt import (
     FusedNovoGrad,
     FusedSGD,
     _ops,
+    checkpoint,
 )
+from shardopt.zero import comm
 
 ALL = [
     FusedAdam,
@@ -334,7 +341,89 @@ def dist_bucket_cap_and_remainders(rank, world):
     opt.close()
 
 
+ARRIVAL_S = 3.0  # SHARDOPT_ARRIVAL_TIMEOUT in these cases (default 30 s)
+
+
+@contextlib.contextmanager
+def _arrival_timeout(seconds: float):
+    old = os.environ.get(comm.ARRIVAL_TIMEOUT_ENV)
+    os.environ[comm.ARRIVAL_TIMEOUT_ENV] = str(seconds)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(comm.ARRIVAL_TIMEOUT_ENV)
+        else:
+            os.environ[comm.ARRIVAL_TIMEOUT_ENV] = old
+
+
+def _one_rank_only(call):
+    """``call`` on rank 0 only, the other ranks go on to the harness's barrier: rank 0 raises
+    within the arrival timeout, naming the call and that it is collective; afterwards every
+    rank calling it works (the counts stayed aligned)."""
+    model, opt = _stepped_adam(rank := comm.rank(None))
+    world = comm.world_size(None)
+    with tempfile.TemporaryDirectory() as tmp, _arrival_timeout(ARRIVAL_S):
+        path = os.path.join(tmp, "ckpt")
+        path = comm.all_gather_object(path, None)[0]  # rank 0's directory
+        if rank == 0:
+            start = time.monotonic()
+            with pytest.raises(comm.CollectiveCallError) as info:
+                call(opt, path)
+            elapsed = time.monotonic() - start
+            assert elapsed < ARRIVAL_S + 2.0, elapsed
+            message = str(info.value)
+            assert "is collective" in message and "rank 0 called it" in message, message
+            assert all(f"rank {r}" in message for r in range(1, world)), message
+            assert message.startswith(("DistributedFusedAdam.", "shardopt.checkpoint.")), message
+        comm.barrier()
+        call(opt, path)  # every rank: works
+        comm.barrier()
+
+
+def _state_dict(opt, path):
+    return opt.state_dict()
+
+
+def _save(opt, path):
+    checkpoint.save(path, opt, overwrite=True)
+
+
+def dist_state_dict_on_one_rank(rank, world):
+    if world > 1:
+        _one_rank_only(_state_dict)
+
+
+def dist_save_on_one_rank(rank, world):
+    if world > 1:
+        _one_rank_only(_save)
+
+
+def dist_different_collective_calls(rank, world):
+    """Rank 0 in checkpoint.save, the others in state_dict(): each side raises at once (well
+    before the timeout), naming the call the others wait in."""
+    model, opt = _stepped_adam(rank)
+    with tempfile.TemporaryDirectory() as tmp, _arrival_timeout(20.0):
+        start = time.monotonic()
+        if world == 1:
+            checkpoint.save(os.path.join(tmp, "c"), opt)
+            return
+        with pytest.raises(comm.CollectiveCallError) as info:
+            if rank == 0:
+                checkpoint.save(os.path.join(tmp, "c"), opt)
+            else:
+                opt.state_dict()
+        assert time.monotonic() - start < 10.0
+        other = "DistributedFusedAdam.state_dict()" if rank == 0 else "checkpoint.save()"
+        assert other in str(info.value), str(info.value)
+        comm.barrier()
+        assert opt.state_dict()["param_groups"][0]["step"] == 1
+
+
 DIST_CASES = [
+    dist_state_dict_on_one_rank,
+    dist_save_on_one_rank,
+    dist_different_collective_calls,
     dist_foreign_state_dict_refused,
     dist_foreign_state_dict_on_one_rank,
     dist_hyperparams_differ_at_construction,

@@ -7,12 +7,18 @@ gloo gets a separate input buffer for all-gather (its input may not alias the ou
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
+
+#: seconds a rank waits in ``arrive`` for the others (0 turns the check off)
+ARRIVAL_TIMEOUT_ENV = "SHARDOPT_ARRIVAL_TIMEOUT"
+DEFAULT_ARRIVAL_TIMEOUT = 30.0
 
 # torch 2.13 renamed the tensor collectives (*_single); older releases only have *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -134,3 +140,89 @@ def gather_checked(error: Exception | None, payload, group: ProcessGroup | None)
             kind, message = e
             raise kind(f"rank {r} failed: {message}")
     return [p for _, p in everyone]
+
+
+# -- arrival at collective calls (see Note: arrival check) ----------------------------------------
+
+_arrivals: dict[tuple[str, str], int] = {}  # (group name, call) -> calls entered so far
+
+
+class CollectiveCallError(RuntimeError):
+    """A collective call that not every rank of its group made."""
+
+
+def arrival_timeout() -> float:
+    value = os.environ.get(ARRIVAL_TIMEOUT_ENV, "")
+    try:
+        return float(value) if value else DEFAULT_ARRIVAL_TIMEOUT
+    except ValueError:
+        raise ValueError(
+            f"{ARRIVAL_TIMEOUT_ENV} must be a number of seconds, got {value!r}"
+        ) from None
+
+
+def arrive(call: str, group: ProcessGroup | None) -> None:
+    """Waits until every rank of ``group`` entered this collective ``call`` (its n-th time);
+    raises ``CollectiveCallError`` naming the call and the ranks missing when they do not
+    within ``SHARDOPT_ARRIVAL_TIMEOUT`` seconds, or at once when one of them waits in another
+    collective call.
+
+    Note: arrival check. A collective such as ``state_dict()`` called on one rank only (under
+    ``if rank == 0``) would wait in its first collective until the backend's timeout (30
+    minutes on gloo). Before its first collective each such entry point registers in the
+    group's store (which every backend has) under a key per call name and count, and polls
+    for the other ranks' keys: a few store round trips per checkpoint-level call, none per
+    step. A rank that gives up withdraws its key, so the counts stay aligned if it goes on.
+    """
+    world = world_size(group)
+    timeout = arrival_timeout()
+    if world == 1 or timeout <= 0:
+        return
+    pg = group if group is not None else dist.group.WORLD
+    store = pg.get_group_store()
+    me = rank(group)
+    count = _arrivals[(pg.group_name, call)] = _arrivals.get((pg.group_name, call), 0) + 1
+    base = f"shardopt/arrive/{call}/{count}"
+    keys = [f"{base}/{r}" for r in range(world)]
+    where = f"shardopt/at/{{}}/{pg.group_name}"
+    store.set(where.format(me), f"{call} #{count}")
+    store.set(keys[me], "1")
+    if count > 2:  # every rank has left call count-2 once it entered count-1
+        store.delete_key(f"shardopt/arrive/{call}/{count - 2}/{me}")
+    deadline = time.monotonic() + timeout
+    delay, next_look = 0.001, time.monotonic() + 0.5
+    while not store.check(keys):
+        now = time.monotonic()
+        elsewhere = None
+        if now >= next_look or now >= deadline:
+            next_look = now + 0.5
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            places = {r: _place(store, where.format(r)) for r in missing}
+            elsewhere = {r: c for r, c in places.items() if c and c != f"{call} #{count}"}
+            if now >= deadline or elsewhere:
+                store.delete_key(keys[me])  # withdrawn: the others see where this rank was
+                store.set(where.format(me), f"{call} #{count}, which it left with this error")
+                _arrivals[(pg.group_name, call)] = count - 1
+                raise CollectiveCallError(_arrival_message(call, me, world, missing, places,
+                                                           timeout, bool(elsewhere)))  # fmt: skip
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+    store.set(where.format(me), "")
+
+
+def _place(store, key: str) -> str:
+    """The collective call a rank is waiting in ("" if none)."""
+    return store.get(key).decode() if store.check([key]) else ""
+
+
+def _arrival_message(call, me, world, missing, places, timeout, elsewhere) -> str:
+    others = ", ".join(
+        f"rank {r} (in {places[r]})" if places.get(r) else f"rank {r}" for r in missing
+    )
+    when = "" if elsewhere else f" within {timeout:g}s"
+    return (
+        f"{call} is collective: every rank of the process group must call it, but rank {me} "
+        f"called it and {others} of {world} did not{when}. Call it on every rank (not under "
+        f"`if rank == 0`); set {ARRIVAL_TIMEOUT_ENV} (seconds) if a rank is legitimately "
+        "slower to get there"
+    )

@@ -396,6 +396,13 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         """Engine param indices of every param of ``key`` (device vector)."""
         return self.sharded.member_indices[key.index]
 
+    def _arrive(self, call: str) -> None:
+        """Every rank must be entering collective ``call`` (see Note: arrival check, comm.py)."""
+        name = f"{type(self).__name__}.{call}"
+        comm.arrive(name, self.process_group)
+        if self.redundant_process_group is not None:
+            comm.arrive(name, self.redundant_process_group)
+
     # -- introspection and DCP -------------------------------------------------------------------
 
     def memory_bytes(self) -> dict[str, int]:
@@ -412,6 +419,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         ``load_sharded_state_dict``."""
         from shardopt.checkpoint.dcp import sharded_state_dict
 
+        self._arrive("sharded_state_dict()")
         return sharded_state_dict(self, model)
 
     def load_sharded_state_dict(
@@ -420,6 +428,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         """Finishes a ``torch.distributed.checkpoint.load`` into ``sharded_state_dict()``."""
         from shardopt.checkpoint.dcp import load_sharded_state_dict
 
+        self._arrive("load_sharded_state_dict()")
         load_sharded_state_dict(self, state_dict, model)
 
 

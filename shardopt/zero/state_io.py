@@ -176,6 +176,7 @@ class StateIO:
         Params that are their own masters (fp32 gathered in fp32) save no ``master_param``.
         Collective.
         """
+        self._arrive("state_dict()")
         self.wait_param_sync()
         sharded = self.sharded
         state: dict[int, dict[str, Any]] = {}
@@ -258,6 +259,7 @@ class StateIO:
         are the truth: a model loaded or trained elsewhere since is not undone).
         """
         name = type(self).__name__
+        self._arrive("load_state_dict()")
         error = None
         try:  # a state dict refused on one rank must be refused on every rank, not hang them
             saved_groups, saved_id = self._check_loaded(state_dict)
