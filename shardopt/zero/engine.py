@@ -338,6 +338,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self.param_sync.write_sync_space(scalars.found_inf_t)
         self.update_calls.end(scalars.found_inf_t)
         self.param_sync.start()
+        self.grad_sync.lockstep.stepped()
         self._end_iteration()
         return loss
 
@@ -360,6 +361,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 p.grad.zero_()
         for handle in self.grad_sync.iteration.handles:
             handle.wait()
+        self.grad_sync.drop()  # see Note: lockstep (lockstep.py)
         self._end_iteration()
 
     # -- what the update rules read --------------------------------------------------------------
