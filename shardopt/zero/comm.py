@@ -170,9 +170,11 @@ def arrive(call: str, group: ProcessGroup | None) -> None:
     Note: arrival check. A collective such as ``state_dict()`` called on one rank only (under
     ``if rank == 0``) would wait in its first collective until the backend's timeout (30
     minutes on gloo). Before its first collective each such entry point registers in the
-    group's store (which every backend has) under a key per call name and count, and polls
-    for the other ranks' keys: a few store round trips per checkpoint-level call, none per
-    step. A rank that gives up withdraws its key, so the counts stay aligned if it goes on.
+    group's store (which every backend has): a counter per call name and count, polled with
+    backoff (one small request per poll, whatever the world size), the list of ranks that
+    arrived and, per rank, the call it waits in, read only every few seconds and for the
+    ranks missing. A few store round trips per checkpoint-level call, none per step. A rank
+    that gives up withdraws from the counter, so the counts stay aligned if it goes on.
     """
     world = world_size(group)
     timeout = arrival_timeout()
@@ -181,32 +183,39 @@ def arrive(call: str, group: ProcessGroup | None) -> None:
     pg = group if group is not None else dist.group.WORLD
     store = pg.get_group_store()
     me = rank(group)
-    count = _arrivals[(pg.group_name, call)] = _arrivals.get((pg.group_name, call), 0) + 1
+    name = (pg.group_name, call)
+    count = _arrivals[name] = _arrivals.get(name, 0) + 1
     base = f"shardopt/arrive/{call}/{count}"
-    keys = [f"{base}/{r}" for r in range(world)]
     where = f"shardopt/at/{{}}/{pg.group_name}"
     store.set(where.format(me), f"{call} #{count}")
-    store.set(keys[me], "1")
-    if count > 2:  # every rank has left call count-2 once it entered count-1
-        store.delete_key(f"shardopt/arrive/{call}/{count - 2}/{me}")
-    deadline = time.monotonic() + timeout
-    delay, next_look = 0.001, time.monotonic() + 0.5
-    while not store.check(keys):
+    store.append(f"{base}/ranks", f"{me},")
+    arrived = store.add(base, 1)
+    if count > 2:  # every rank has left call count-2 once this rank could enter count-1
+        store.delete_key(f"shardopt/arrive/{call}/{count - 2}")
+        store.delete_key(f"shardopt/arrive/{call}/{count - 2}/ranks")
+    start = time.monotonic()
+    deadline, next_look, delay = start + timeout, start + 2.0, 0.001
+    while arrived < world:
         now = time.monotonic()
-        elsewhere = None
         if now >= next_look or now >= deadline:
-            next_look = now + 0.5
-            missing = [r for r in range(world) if not store.check([keys[r]])]
+            next_look = now + 2.0
+            listed = store.get(f"{base}/ranks").decode().split(",")
+            missing = sorted(set(range(world)) - {int(r) for r in listed if r})
             places = {r: _place(store, where.format(r)) for r in missing}
-            elsewhere = {r: c for r, c in places.items() if c and c != f"{call} #{count}"}
+            elsewhere = any(c and c != f"{call} #{count}" for c in places.values())
             if now >= deadline or elsewhere:
-                store.delete_key(keys[me])  # withdrawn: the others see where this rank was
+                if store.add(base, -1) == world - 1:  # the last one arrived just now: go on
+                    store.add(base, 1)
+                    break
+                # withdrawn; the others see where this rank was
                 store.set(where.format(me), f"{call} #{count}, which it left with this error")
-                _arrivals[(pg.group_name, call)] = count - 1
-                raise CollectiveCallError(_arrival_message(call, me, world, missing, places,
-                                                           timeout, bool(elsewhere)))  # fmt: skip
+                _arrivals[name] = count - 1
+                raise CollectiveCallError(
+                    _arrival_message(call, me, world, missing, places, timeout, elsewhere)
+                )
         time.sleep(delay)
-        delay = min(2 * delay, 0.05)
+        delay = min(2 * delay, 0.1)
+        arrived = store.add(base, 0)
     store.set(where.format(me), "")
 
 

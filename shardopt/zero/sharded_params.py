@@ -110,7 +110,7 @@ def describe_hyperparams(
 
     def text(v: Any) -> str | None:
         if torch.is_tensor(v):
-            return repr(float(v.item())) if v.numel() == 1 else None
+            return repr(float(v.item())) if v.numel() == 1 and not v.is_meta else None
         if isinstance(v, (tuple, list)):
             parts = [text(x) for x in v]
             return None if None in parts else "(" + ", ".join(parts) + ")"  # type: ignore[arg-type]
