@@ -443,3 +443,20 @@ def dist_results(request):
 def test_distributed_misuse(dist_results, case):
     err = dist_results[case.__name__]
     assert err is None, err
+
+
+@pytest.mark.parametrize(
+    "cls", [FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad, FusedMixedPrecisionLamb]
+)
+def test_every_class_refuses_an_sgd_state_dict(cls):
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    sgd.step()
+    opt = cls(model.parameters())
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[model.weight].items() if torch.is_tensor(v)}
+    with pytest.raises(ValueError, match=rf"{cls.__name__} keeps \[.*\] per param"):
+        opt.load_state_dict(sgd.state_dict())
+    assert before and all(torch.equal(opt.state[model.weight][k], v) for k, v in before.items())
+    opt.load_state_dict(opt.state_dict())  # its own still loads
