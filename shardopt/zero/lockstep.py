@@ -24,7 +24,10 @@ A rank with no backward at all in an iteration is not a mismatch: it contributes
 (see docs/spec.md, DDP equivalence). On a mismatch every rank that took part raises
 ``LockstepError``, naming each rank and what it did (one all-gather, on the error path only).
 The check needs that all-reduce: it is off with ``skip_unused_params=False`` and under
-``capturable``.
+``capturable``. Not covered: a ``step()`` skipped on one rank when the others call
+``clip_grad_norm()`` or ``grad_norm()`` before their ``step()``: the deviating rank's check
+meets the norm's all-reduce, not the step's (riding on that one too would need both to share one
+shape and reduction).
 """
 
 from __future__ import annotations
