@@ -14,6 +14,10 @@ Scenarios (victim, world):
   mid_save_publisher  rank 0 of 2 dies writing metadata.json (the last phase of the save)
   mid_load            rank 1 of 2 dies reading its file during checkpoint.load
 tests/test_checkpoint.py covers a rank killed after writing its rank file.
+
+A collective call made on rank 0 only (``state_dict()``, ``checkpoint.save``) while the other ranks
+train on: rank 0 raises CollectiveCallError within the arrival timeout and exits, and the others
+fail as soon as it is gone; nothing waits for the process-group timeout.
 """
 
 from __future__ import annotations
@@ -266,3 +270,80 @@ def test_rank_killed(fast_results, scenario):
 @pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s not in FAST])
 def test_rank_killed_long(slow_results, scenario):
     _assert_scenario(scenario, slow_results[scenario])
+
+
+# -- a collective call made on one rank only: the job ends in seconds, not at the timeout ---------
+
+ONE_RANK_PG_TIMEOUT = 300.0  # far above what the test allows: ending must not come from it
+ARRIVAL_S = 3.0
+
+
+def _one_rank_worker(rank, world, store_path, root, call):
+    """Rank 0 calls ``call`` alone, as a migrating DDP script does under ``if rank == 0``, and
+    exits on its error as a script would; the others train on."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["SHARDOPT_ARRIVAL_TIMEOUT"] = str(ARRIVAL_S)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=ONE_RANK_PG_TIMEOUT),
+    )
+    model = _model()
+    opt = _opt("Adam", model)
+    _train_step(model, opt, 0, rank, world)
+    dist.barrier()
+    record = {"rank": rank}
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            if call == "state_dict":
+                opt.state_dict()
+            else:
+                checkpoint.save(Path(root) / "ckpt", opt, model)
+        else:
+            for s in range(1, 4):
+                _train_step(model, opt, s, rank, world)
+        record["outcome"] = "completed"
+    except Exception as e:
+        record["outcome"] = f"{type(e).__name__}: {e}"[:600]
+    record["elapsed"] = time.monotonic() - start
+    (Path(root) / f"rank{rank}.json").write_text(json.dumps(record))
+    # exit as a failed script does (no destroy_process_group)
+
+
+@pytest.mark.parametrize("call, world", [("state_dict", 2), ("state_dict", 3), ("save", 2)])
+def test_collective_call_on_one_rank_ends_the_job(call, world):
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_one_rank_worker, args=(r, world, store, tmp, call))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 120.0
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        records = {}
+        for r in range(world):
+            f = Path(tmp) / f"rank{r}.json"
+            records[r] = json.loads(f.read_text()) if f.exists() else None
+    assert not hung, f"ranks {hung} still running 120 s later: {records}"
+    first = records[0]
+    assert first is not None, records
+    name = "DistributedFusedAdam.state_dict()" if call == "state_dict" else "checkpoint.save()"
+    assert "CollectiveCallError" in first["outcome"] and name in first["outcome"], first
+    assert "is collective" in first["outcome"], first
+    assert first["elapsed"] < ARRIVAL_S + 3.0, first
+    for r in range(1, world):  # they fail when rank 0 exits (its connections close)
+        assert records[r] is not None and records[r]["outcome"] != "completed", records
+        assert records[r]["elapsed"] < 60.0, records

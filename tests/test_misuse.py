@@ -1,8 +1,15 @@
 """Misuse as a table: (build, expected exception type, message regex)."""
 
+import contextlib
+import os
+import tempfile
+import time
+
 import pytest
 import torch
+from dist_harness import run_cases
 
+import shardopt
 from shardopt import (
     FusedAdagrad,
     FusedAdam,
@@ -11,7 +18,9 @@ from shardopt import (
     FusedNovoGrad,
     FusedSGD,
     _ops,
+    checkpoint,
 )
+from shardopt.zero import comm
 
 ALL = [
     FusedAdam,
@@ -156,3 +165,298 @@ def test_cuda_tensors_on_a_build_without_cuda_say_how_to_build(monkeypatch):
 def test_unknown_device_type_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"no kernels for meta tensors"):
         _ops._backend(torch.device("meta"))
+
+
+def test_load_state_dict_of_another_algorithm_is_refused():
+    """A stepped torch.optim.SGD's state dict into FusedAdam (and the reverse, and one missing a
+    moment): ValueError naming both key sets, and the optimizer's state is left as it was."""
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    sgd.step()
+    adam = FusedAdam(model.parameters(), lr=1e-3)
+    adam.step()
+    before = adam.state_dict()
+    with pytest.raises(ValueError, match=r"'momentum_buffer'.*\['exp_avg', 'exp_avg_sq'\]"):
+        adam.load_state_dict(sgd.state_dict())
+    after = adam.state_dict()
+    assert after["param_groups"][0]["lr"] == 1e-3
+    for pid, entry in before["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(after["state"][pid][k], v), (pid, k)
+    with pytest.raises(ValueError, match=r"'exp_avg'.*\['momentum_buffer'\]"):
+        FusedSGD(model.parameters(), lr=0.1, momentum=0.9).load_state_dict(before)
+    partial = {"state": {0: {"exp_avg": torch.zeros(2, 3), "step": torch.tensor(1.0)}},
+               "param_groups": before["param_groups"]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"\['exp_avg_sq'\] missing"):
+        FusedAdam(model.parameters()).load_state_dict(partial)
+    FusedSGD(model.parameters(), lr=0.1, momentum=0.9).load_state_dict(sgd.state_dict())
+
+
+# -- distributed misuse (gloo, worlds 1-3): every rank raises, nothing is changed ----------------
+
+PG_TIMEOUT = 30.0  # a collective left by a diverged rank fails after this, not gloo's 30 minutes
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).to(
+        dtype
+    )
+
+
+def _stepped_adam(rank, **kw):
+    model = _model()
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.01, **kw)
+    model(torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _assert_same_state(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for pid, entry in a["state"].items():
+        assert entry.keys() == b["state"][pid].keys(), pid
+        for k, v in entry.items():
+            assert torch.equal(v, b["state"][pid][k]), (pid, k)
+
+
+def dist_foreign_state_dict_refused(rank, world):
+    """A stepped torch.optim.SGD's state dict into DistributedFusedAdam: ValueError naming both
+    key sets on every rank; nothing loaded (not SGD's lr, no zeroed moments)."""
+    model, opt = _stepped_adam(rank)
+    sgd_model = _model()
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.5, momentum=0.9)
+    sgd_model(torch.ones(2, 3)).sum().backward()
+    sgd.step()
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=r"'momentum_buffer'.*\['exp_avg', 'exp_avg_sq'\]"):
+        opt.load_state_dict(sgd.state_dict())
+    _assert_same_state(before, opt.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.01
+
+
+def dist_foreign_state_dict_on_one_rank(rank, world):
+    """Only the last rank is handed the wrong state dict: it names the keys, every other rank
+    raises naming it; no rank loads anything."""
+    model, opt = _stepped_adam(rank)
+    before = opt.state_dict()
+    bad = {
+        "state": {0: {"momentum_buffer": torch.zeros(4, 3)}},
+        "param_groups": before["param_groups"],
+    }
+    with pytest.raises(ValueError) as info:
+        opt.load_state_dict(bad if rank == world - 1 else before)
+    if rank == world - 1:
+        assert "'momentum_buffer'" in str(info.value)
+    else:
+        message = str(info.value)
+        assert f"rank {world - 1} failed" in message and "momentum_buffer" in message
+    _assert_same_state(before, opt.state_dict())
+
+
+HYPER_CASES = [
+    (shardopt.DistributedFusedAdam, "lr", 1e-3, 2e-3),
+    (shardopt.DistributedFusedAdam, "weight_decay", 0.0, 0.1),
+    (shardopt.DistributedFusedAdam, "betas", (0.9, 0.999), (0.9, 0.99)),
+    (shardopt.DistributedFusedAdam, "eps", 1e-8, 1e-6),
+    (shardopt.DistributedFusedAdam, "adam_w_mode", True, False),
+    (shardopt.DistributedFusedLAMB, "max_grad_norm", 1.0, 0.5),
+    (shardopt.DistributedFusedSGD, "momentum", 0.9, 0.8),
+    (shardopt.DistributedFusedAdagrad, "lr", 0.01, torch.tensor(0.02)),
+]
+
+
+def dist_hyperparams_differ_at_construction(rank, world):
+    """A hyperparameter that differs on the last rank fails construction on every rank, naming
+    the group, the key and both values (at world 1 there is nothing to differ)."""
+    for cls, key, value, other in HYPER_CASES:
+        kw = {"lr": 0.1} if cls is shardopt.DistributedFusedSGD and key != "lr" else {}
+        kw[key] = other if rank == world - 1 and world > 1 else value
+        model = _model()
+        if world == 1:
+            cls(model.parameters(), **kw).close()
+            continue
+        with pytest.raises(ValueError, match=rf"hyperparameters differ.*group 0 {key}: rank"):
+            cls(model.parameters(), **kw)
+    # one group of two
+    model = _model()
+    groups = [
+        {"params": model[0].parameters()},
+        {"params": model[2].parameters(), "lr": 0.5 if rank == world - 1 else 0.25},
+    ]
+    if world == 1:
+        shardopt.DistributedFusedAdam(groups).close()
+    else:
+        with pytest.raises(ValueError, match=r"group 1 lr: rank \d has 0\.\d+, rank \d has 0\.\d+"):
+            shardopt.DistributedFusedAdam(groups)
+
+
+def dist_hyperparams_differ_at_load(rank, world):
+    """A state dict whose lr (or step) differs on the last rank is refused on every rank; the
+    optimizer keeps its state."""
+    model, opt = _stepped_adam(rank)
+    before = opt.state_dict()
+    for key, value in (("lr", 0.5), ("step", 7), ("betas", (0.5, 0.9))):
+        sd = opt.state_dict()
+        if rank == world - 1:
+            sd["param_groups"][0][key] = value
+        if world == 1:
+            continue
+        with pytest.raises(ValueError, match=rf"loaded group hyperparameters.*group 0 {key}"):
+            opt.load_state_dict(sd)
+        _assert_same_state(before, opt.state_dict())
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = 0.125  # the same on every rank: loads
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.125
+
+
+def dist_bucket_cap_and_remainders(rank, world):
+    """bucket_cap_mb of NaN, inf, <= 0 or not a number, and store_param_remainders=True where
+    it would change nothing: a clear error naming the argument, on every rank (also when only
+    the last rank passes it)."""
+    for bad, exc in ((float("nan"), ValueError), (float("inf"), ValueError), (0, ValueError),
+                     (-1.0, ValueError), ("10", TypeError), (None, TypeError)):  # fmt: skip
+        with pytest.raises(exc, match=r"bucket_cap_mb"):
+            shardopt.DistributedFusedAdam(_model().parameters(), bucket_cap_mb=bad)
+        with pytest.raises(exc, match=r"bucket_cap_mb"):
+            shardopt.DistributedFusedAdam(
+                _model().parameters(), bucket_cap_mb=bad if rank == world - 1 else 1.0
+            )
+    for dtype, kw in (
+        (torch.float32, {}),
+        (torch.float16, {}),
+        (torch.bfloat16, {"param_sync_dtype": torch.float32}),
+    ):
+        with pytest.raises(ValueError, match=r"store_param_remainders"):
+            shardopt.DistributedFusedAdam(
+                _model(dtype).parameters(), store_param_remainders=True, **kw
+            )
+    model = _model(torch.bfloat16)
+    model[2].float()  # bf16 params with remainders next to fp32 params (their own masters)
+    opt = shardopt.DistributedFusedAdam(model.parameters(), store_param_remainders=True)
+    assert opt.memory_bytes().get("remainder", 0) > 0
+    opt.close()
+
+
+ARRIVAL_S = 3.0  # SHARDOPT_ARRIVAL_TIMEOUT in these cases (default 30 s)
+
+
+@contextlib.contextmanager
+def _arrival_timeout(seconds: float):
+    old = os.environ.get(comm.ARRIVAL_TIMEOUT_ENV)
+    os.environ[comm.ARRIVAL_TIMEOUT_ENV] = str(seconds)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(comm.ARRIVAL_TIMEOUT_ENV)
+        else:
+            os.environ[comm.ARRIVAL_TIMEOUT_ENV] = old
+
+
+def _one_rank_only(call):
+    """``call`` on rank 0 only, the other ranks go on to the harness's barrier: rank 0 raises
+    within the arrival timeout, naming the call and that it is collective; afterwards every
+    rank calling it works (the counts stayed aligned)."""
+    model, opt = _stepped_adam(rank := comm.rank(None))
+    world = comm.world_size(None)
+    with tempfile.TemporaryDirectory() as tmp, _arrival_timeout(ARRIVAL_S):
+        path = os.path.join(tmp, "ckpt")
+        path = comm.all_gather_object(path, None)[0]  # rank 0's directory
+        if rank == 0:
+            start = time.monotonic()
+            with pytest.raises(comm.CollectiveCallError) as info:
+                call(opt, path)
+            elapsed = time.monotonic() - start
+            assert elapsed < ARRIVAL_S + 2.0, elapsed
+            message = str(info.value)
+            assert "is collective" in message and "rank 0 called it" in message, message
+            assert all(f"rank {r}" in message for r in range(1, world)), message
+            assert message.startswith(("DistributedFusedAdam.", "shardopt.checkpoint.")), message
+        comm.barrier()
+        call(opt, path)  # every rank: works
+        comm.barrier()
+
+
+def _state_dict(opt, path):
+    return opt.state_dict()
+
+
+def _save(opt, path):
+    checkpoint.save(path, opt, overwrite=True)
+
+
+def dist_state_dict_on_one_rank(rank, world):
+    if world > 1:
+        _one_rank_only(_state_dict)
+
+
+def dist_save_on_one_rank(rank, world):
+    if world > 1:
+        _one_rank_only(_save)
+
+
+def dist_different_collective_calls(rank, world):
+    """Rank 0 in checkpoint.save, the others in state_dict(): each side raises at once (well
+    before the timeout), naming the call the others wait in."""
+    model, opt = _stepped_adam(rank)
+    with tempfile.TemporaryDirectory() as tmp, _arrival_timeout(20.0):
+        start = time.monotonic()
+        if world == 1:
+            checkpoint.save(os.path.join(tmp, "c"), opt)
+            return
+        with pytest.raises(comm.CollectiveCallError) as info:
+            if rank == 0:
+                checkpoint.save(os.path.join(tmp, "c"), opt)
+            else:
+                opt.state_dict()
+        assert time.monotonic() - start < 10.0
+        other = "DistributedFusedAdam.state_dict()" if rank == 0 else "checkpoint.save()"
+        assert other in str(info.value), str(info.value)
+        comm.barrier()
+        assert opt.state_dict()["param_groups"][0]["step"] == 1
+
+
+DIST_CASES = [
+    dist_state_dict_on_one_rank,
+    dist_save_on_one_rank,
+    dist_different_collective_calls,
+    dist_foreign_state_dict_refused,
+    dist_foreign_state_dict_on_one_rank,
+    dist_hyperparams_differ_at_construction,
+    dist_hyperparams_differ_at_load,
+    dist_bucket_cap_and_remainders,
+]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
+def dist_results(request):
+    return run_cases(
+        DIST_CASES, request.param, timeout=300.0, pg_timeout=PG_TIMEOUT, report_hangs=True
+    )
+
+
+@pytest.mark.parametrize("case", DIST_CASES, ids=lambda c: c.__name__)
+def test_distributed_misuse(dist_results, case):
+    err = dist_results[case.__name__]
+    assert err is None, err
+
+
+@pytest.mark.parametrize(
+    "cls", [FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad, FusedMixedPrecisionLamb]
+)
+def test_every_class_refuses_an_sgd_state_dict(cls):
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    sgd.step()
+    opt = cls(model.parameters())
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[model.weight].items() if torch.is_tensor(v)}
+    with pytest.raises(ValueError, match=rf"{cls.__name__} keeps \[.*\] per param"):
+        opt.load_state_dict(sgd.state_dict())
+    assert before and all(torch.equal(opt.state[model.weight][k], v) for k, v in before.items())
+    opt.load_state_dict(opt.state_dict())  # its own still loads

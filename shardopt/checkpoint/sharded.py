@@ -51,7 +51,8 @@ class _Ranks:
     group; replica 0 writes, its rank 0 (the publisher) prepares the directory and publishes.
     """
 
-    def __init__(self, optimizer: DistributedOptimizer) -> None:
+    def __init__(self, optimizer: DistributedOptimizer, call: str) -> None:
+        optimizer._arrive(call)  # see Note: arrival check (shardopt/zero/comm.py)
         self.group = optimizer.process_group
         self.replicas = optimizer.redundant_process_group
         self.rank, self.world = optimizer.rank, optimizer.world_size
@@ -113,7 +114,7 @@ def save(
     """
     _check_optimizer(optimizer)
     path = Path(path)
-    ranks = _Ranks(optimizer)
+    ranks = _Ranks(optimizer, "shardopt.checkpoint.save()")
     error = None
     if ranks.publishes:
         try:
@@ -272,7 +273,7 @@ def load(
     """
     _check_optimizer(optimizer)
     path = Path(path)
-    ranks = _Ranks(optimizer)
+    ranks = _Ranks(optimizer, "shardopt.checkpoint.load()")
     error, metadata, payloads, model_state = None, None, [], None
     try:
         metadata = fmt.read_metadata(path)

@@ -44,6 +44,34 @@ def _load_hyper(current: Any, saved: Any, written: set[int]) -> Any:
     return copy.deepcopy(saved)
 
 
+#: per-param state keys every optimizer accepts besides its own state names
+COMMON_STATE_KEYS = ("step", "master_param")
+
+
+def check_state_keys(
+    saved_state: dict[Any, dict[str, Any]], state_names: tuple[str, ...], owner: str
+) -> None:
+    """Refuses another algorithm's state dict (a torch.optim.SGD's into an Adam).
+
+    Every per-param entry may hold only ``state_names`` plus ``step`` and ``master_param``, and
+    an entry holding any of ``state_names`` must hold all of them (one missing would silently
+    start from zeros). Raises ValueError naming the param and both sets of keys.
+    """
+    mine = set(state_names)
+    for pid, entry in saved_state.items():
+        keys = set(entry)
+        unknown = keys - mine - set(COMMON_STATE_KEYS)
+        missing = mine - keys if keys & mine else set()
+        if unknown or missing:
+            why = [f"{sorted(unknown)} unknown to {owner}"] if unknown else []
+            why += [f"{sorted(missing)} missing"] if missing else []
+            raise ValueError(
+                f"{owner}: the state dict is not this optimizer's: the state of param {pid} has "
+                f"keys {sorted(keys)} ({', '.join(why)}); {owner} keeps {list(state_names)} per "
+                f"param (plus {list(COMMON_STATE_KEYS)}). Load a state dict of the same algorithm"
+            )
+
+
 class TorchStateDict:
     """``state_dict``/``load_state_dict`` of a ``FusedOptimizer`` (not used on its own)."""
 
@@ -99,6 +127,7 @@ class TorchStateDict:
 
         saved_groups = state_dict["param_groups"]
         check_loaded_groups(saved_groups, self.param_groups, type(self).__name__)
+        check_state_keys(state_dict["state"], self.state_names, type(self).__name__)
         new_groups, new_state = [], {}
         written: set[int] = set()
         for g, sg in zip(self.param_groups, saved_groups):

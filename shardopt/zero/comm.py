@@ -7,12 +7,18 @@ gloo gets a separate input buffer for all-gather (its input may not alias the ou
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
+
+#: seconds a rank waits in ``arrive`` for the others (0 turns the check off)
+ARRIVAL_TIMEOUT_ENV = "SHARDOPT_ARRIVAL_TIMEOUT"
+DEFAULT_ARRIVAL_TIMEOUT = 30.0
 
 # torch 2.13 renamed the tensor collectives (*_single); older releases only have *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -118,10 +124,114 @@ def barrier() -> None:
 def raise_if_any(error: Exception | None, group: ProcessGroup | None) -> None:
     """Collective: re-raises ``error`` here, and on every other rank raises the same type naming
     the first rank that failed (so a check that fails on one rank never hangs the others)."""
-    errors = all_gather_object(None if error is None else (type(error), str(error)), group)
+    gather_checked(error, None, group)
+
+
+def gather_checked(error: Exception | None, payload, group: ProcessGroup | None) -> list:
+    """Collective: ``raise_if_any(error)``, and every rank's ``payload`` when no rank failed (one
+    all-gather serves a local check and a comparison across ranks)."""
+    everyone = all_gather_object(
+        (None if error is None else (type(error), str(error)), payload), group
+    )
     if error is not None:
         raise error
-    for r, e in enumerate(errors):
+    for r, (e, _) in enumerate(everyone):
         if e is not None:
             kind, message = e
             raise kind(f"rank {r} failed: {message}")
+    return [p for _, p in everyone]
+
+
+# -- arrival at collective calls (see Note: arrival check) ----------------------------------------
+
+_arrivals: dict[tuple[str, str], int] = {}  # (group name, call) -> calls entered so far
+
+
+class CollectiveCallError(RuntimeError):
+    """A collective call that not every rank of its group made."""
+
+
+def arrival_timeout() -> float:
+    value = os.environ.get(ARRIVAL_TIMEOUT_ENV, "")
+    try:
+        return float(value) if value else DEFAULT_ARRIVAL_TIMEOUT
+    except ValueError:
+        raise ValueError(
+            f"{ARRIVAL_TIMEOUT_ENV} must be a number of seconds, got {value!r}"
+        ) from None
+
+
+def arrive(call: str, group: ProcessGroup | None) -> None:
+    """Waits until every rank of ``group`` entered this collective ``call`` (its n-th time);
+    raises ``CollectiveCallError`` naming the call and the ranks missing when they do not
+    within ``SHARDOPT_ARRIVAL_TIMEOUT`` seconds, or at once when one of them waits in another
+    collective call.
+
+    Note: arrival check. A collective such as ``state_dict()`` called on one rank only (under
+    ``if rank == 0``) would wait in its first collective until the backend's timeout (30
+    minutes on gloo). Before its first collective each such entry point registers in the
+    group's store (which every backend has): a counter per call name and count, polled with
+    backoff (one small request per poll, whatever the world size), the list of ranks that
+    arrived and, per rank, the call it waits in, read only every few seconds and for the
+    ranks missing. A few store round trips per checkpoint-level call, none per step. A rank
+    that gives up withdraws from the counter, so the counts stay aligned if it goes on.
+    """
+    world = world_size(group)
+    timeout = arrival_timeout()
+    if world == 1 or timeout <= 0:
+        return
+    pg = group if group is not None else dist.group.WORLD
+    store = pg.get_group_store()
+    me = rank(group)
+    name = (pg.group_name, call)
+    count = _arrivals[name] = _arrivals.get(name, 0) + 1
+    base = f"shardopt/arrive/{call}/{count}"
+    where = f"shardopt/at/{{}}/{pg.group_name}"
+    store.set(where.format(me), f"{call} #{count}")
+    store.append(f"{base}/ranks", f"{me},")
+    arrived = store.add(base, 1)
+    if count > 2:  # every rank has left call count-2 once this rank could enter count-1
+        store.delete_key(f"shardopt/arrive/{call}/{count - 2}")
+        store.delete_key(f"shardopt/arrive/{call}/{count - 2}/ranks")
+    start = time.monotonic()
+    deadline, next_look, delay = start + timeout, start + 2.0, 0.001
+    while arrived < world:
+        now = time.monotonic()
+        if now >= next_look or now >= deadline:
+            next_look = now + 2.0
+            listed = store.get(f"{base}/ranks").decode().split(",")
+            missing = sorted(set(range(world)) - {int(r) for r in listed if r})
+            places = {r: _place(store, where.format(r)) for r in missing}
+            elsewhere = any(c and c != f"{call} #{count}" for c in places.values())
+            if now >= deadline or elsewhere:
+                if store.add(base, -1) == world - 1:  # the last one arrived just now: go on
+                    store.add(base, 1)
+                    break
+                # withdrawn; the others see where this rank was
+                store.set(where.format(me), f"{call} #{count}, which it left with this error")
+                _arrivals[name] = count - 1
+                raise CollectiveCallError(
+                    _arrival_message(call, me, world, missing, places, timeout, elsewhere)
+                )
+        time.sleep(delay)
+        delay = min(2 * delay, 0.1)
+        arrived = store.add(base, 0)
+    store.set(where.format(me), "")
+
+
+def _place(store, key: str) -> str:
+    """The collective call a rank is waiting in ("" if none)."""
+    return store.get(key).decode() if store.check([key]) else ""
+
+
+def _arrival_message(call, me, world, missing, places, timeout, elsewhere) -> str:
+    others = ", ".join(
+        f"rank {r} (in {places[r]})" if places.get(r) else f"rank {r}" for r in missing
+    )
+    when = "" if elsewhere else f" within {timeout:g}s"
+    return (
+        f"{call} is collective: every rank of the process group must call it, but rank {me} "
+        f"called it and {others} of {world} did not{when}. Call it on every rank (not under "
+        f"`if rank == 0`); set {ARRIVAL_TIMEOUT_ENV} (seconds) if a rank is legitimately "
+        "slower to get there"
+    )

@@ -72,13 +72,8 @@ from shardopt.zero import (
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
-from shardopt.zero.sharded_params import (
-    Key,
-    ParamReboundError,
-    ShardedParams,
-    ShardingConfig,
-    check_settings,
-)
+from shardopt.zero.settings import check_remainders, check_settings
+from shardopt.zero.sharded_params import Key, ParamReboundError, ShardedParams, ShardingConfig
 from shardopt.zero.state_io import StateIO
 from shardopt.zero.update_calls import Call, UpdateCalls
 
@@ -146,6 +141,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                     f"{name}: capturable=True cannot offload (the CPU update syncs with the "
                     "host); use offload=None"
                 )
+            if storage.remainders:
+                check_remainders(name, self.param_groups, param_sync_dtype)
             if apex["nccl_ub"]:
                 groups = [process_group]  # None: the default group
                 if redundant_process_group is not None:
@@ -431,6 +428,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self.param_sync.write_sync_space(scalars.found_inf_t)
         self.update_calls.end(scalars.found_inf_t)
         self.param_sync.start()
+        self.grad_sync.lockstep.stepped()
         self._end_iteration()
         return loss
 
@@ -453,6 +451,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 p.grad.zero_()
         for handle in self.grad_sync.iteration.handles:
             handle.wait()
+        self.grad_sync.drop()  # see Note: lockstep (lockstep.py)
         self._end_iteration()
 
     # -- what the update rules read --------------------------------------------------------------
@@ -504,6 +503,13 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         """Engine param indices of every param of ``key`` (device vector)."""
         return self.sharded.member_indices[key.index]
 
+    def _arrive(self, call: str) -> None:
+        """Every rank must be entering collective ``call`` (see Note: arrival check, comm.py)."""
+        name = f"{type(self).__name__}.{call}"
+        comm.arrive(name, self.process_group)
+        if self.redundant_process_group is not None:
+            comm.arrive(name, self.redundant_process_group)
+
     # -- introspection and DCP -------------------------------------------------------------------
 
     def memory_bytes(self, where: str = "device") -> dict[str, int]:
@@ -531,6 +537,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         ``load_sharded_state_dict``."""
         from shardopt.checkpoint.dcp import sharded_state_dict
 
+        self._arrive("sharded_state_dict()")
         return sharded_state_dict(self, model)
 
     def load_sharded_state_dict(
@@ -539,4 +546,5 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         """Finishes a ``torch.distributed.checkpoint.load`` into ``sharded_state_dict()``."""
         from shardopt.checkpoint.dcp import load_sharded_state_dict
 
+        self._arrive("load_sharded_state_dict()")
         load_sharded_state_dict(self, state_dict, model)

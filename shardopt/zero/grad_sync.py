@@ -20,6 +20,7 @@ import torch
 
 from shardopt.optimizers.fused_optimizer import check_grad
 from shardopt.zero import comm
+from shardopt.zero.lockstep import NUM_SLOTS, PHASE_BACKWARD, PHASE_STEP, Lockstep
 from shardopt.zero.sharded_params import Key, ShardedParams
 
 # Reduce-scatters in flight during backward before the oldest is waited on (on the compute
@@ -66,6 +67,8 @@ class GradSync:
         self.overlap = overlap
         #: False inside ``no_sync()``: grads accumulate in the buckets, nothing is launched
         self.enabled = True
+        #: what this rank did since the last step (see Note: lockstep in lockstep.py)
+        self.lockstep = Lockstep(sharded.owner)
         self.reset()
         # The hooks hold this object weakly: params outlive the optimizer, and a strong reference
         # would keep every buffer alive after it is dropped. They are removed when this object is
@@ -118,15 +121,17 @@ class GradSync:
                 "zero_grad()) before the next backward"
             )
         check_grad(p, owner)
-        if self.enabled and self.overlap:
+        if self.enabled and not it.end_queued:  # the first grad of a synchronised backward
+            if self.overlap and self.lockstep.launched and self.checks_lockstep:
+                self._check_lockstep(PHASE_BACKWARD)
             if it.round_closed:  # a further synchronised backward: accumulate, as DDP does
                 self._next_round()
                 it = self.iteration
-            if not it.end_queued:
-                # at the end of this backward every rank launches what is left of the round,
-                # so all ranks issue the same collectives whatever grads each of them got
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-                it.end_queued = True
+            # at the end of this backward every rank launches what is left of the round,
+            # so all ranks issue the same collectives whatever grads each of them got
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            it.end_queued = True
+            self.lockstep.passes += 1
         self._add(p, key, i)
         if not self.enabled:
             return
@@ -140,7 +145,7 @@ class GradSync:
     def _end_backward(self) -> None:
         it = self.iteration
         it.end_queued = False
-        if it.synced:
+        if it.synced or not self.overlap:
             return
         self._launch_ready(force=True)
         it.round_closed = True
@@ -208,6 +213,7 @@ class GradSync:
             if holes:
                 torch._foreach_zero_(holes)
         buf.release_grad_bucket(bi)
+        self.lockstep.launched = True
         shard = buf.shard_of_bucket(buf.grad_shard, bucket)
         if not self.iteration.rounds:
             return comm.reduce_scatter(shard, grads, self.process_group)
@@ -224,7 +230,13 @@ class GradSync:
         for p in self.sharded.all_params:
             if p.grad is not None:
                 raise RuntimeError(self._stray_grad_message(p))
-        self._launch_ready(force=True)
+        if self.lockstep.dropped and self.lockstep.launched and not it.touched:
+            # this rank dropped grads whose reduce-scatters it had launched: launching them
+            # again would pair with the other ranks' next collective (see Note: lockstep)
+            for key in self.sharded.keys:
+                key.buffers.grad_shard.zero_()
+        else:
+            self._launch_ready(force=True)
         for h in it.handles:
             h.wait()
         it.handles = []
@@ -239,17 +251,44 @@ class GradSync:
         update_calls.py), and the param some rank reported as ``failed`` (None if none): one
         all-reduce of a flag per param (plus one) and a host sync. Collective."""
         n = len(self.sharded.params)
-        flags = torch.zeros(n + 1, dtype=torch.float32)
+        flags = torch.zeros(n + 1 + NUM_SLOTS, dtype=torch.float32)
         if self.iteration.touched:
             flags[list(self.iteration.touched)] = 1.0
         flags[n] = 0.0 if failed is None else float(failed + 1)
-        flags = flags.to(self.sharded.device)
-        comm.all_reduce(flags, self.process_group, op="max")
-        if self.redundant_process_group is not None:
-            comm.all_reduce(flags, self.redundant_process_group, op="max")
+        self.lockstep.encode(PHASE_STEP, flags[n + 1 :])  # see Note: lockstep
+        flags = self._all_reduce_flags(flags, PHASE_STEP)
         reported = int(flags[n].item())
         unused = frozenset((flags[:n] == 0).nonzero().flatten().tolist())
         return unused, (reported - 1 if reported else None)
+
+    def _all_reduce_flags(self, flags: torch.Tensor, phase: int) -> torch.Tensor:
+        """The max all-reduce of the step's flags (unused params, a failed rank, lockstep),
+        checked for lockstep (raises on every rank if the ranks differ)."""
+        flags = flags.to(self.sharded.device)
+        groups = [self.process_group, self.redundant_process_group]
+        for group in groups if groups[1] is not None else groups[:1]:
+            comm.all_reduce(flags, group, op="max")
+            self.lockstep.check(phase, flags[-NUM_SLOTS:], group)
+        return flags
+
+    @property
+    def checks_lockstep(self) -> bool:
+        """Whether the step runs the flags all-reduce that carries the lockstep check (see
+        Note: lockstep)."""
+        return self.sharded.config.skip_unused_params
+
+    def _check_lockstep(self, phase: int) -> None:
+        """The step's flags all-reduce, run where a further synchronised backward starts (it
+        pairs with a step() on ranks that did not skip theirs)."""
+        flags = torch.zeros(len(self.sharded.params) + 1 + NUM_SLOTS, dtype=torch.float32)
+        self.lockstep.encode(phase, flags[-NUM_SLOTS:])
+        self._all_reduce_flags(flags, phase)
+
+    def drop(self) -> None:
+        """``zero_grad()``: remembers whether grads already synchronised are dropped."""
+        it = self.iteration
+        if it.arrived or it.next_launch or it.rounds:
+            self.lockstep.dropped = True
 
     def _stray_grad_message(self, p: torch.Tensor) -> str:
         owner = self.sharded.owner

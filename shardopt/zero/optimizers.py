@@ -30,7 +30,7 @@ ZERO_ARGS_DOC = """
         process_group: the group the state is sharded over (default: WORLD).
         redundant_process_group: shards are replicated across this group (HSDP-style): grad
             shards are all-reduced over it after the reduce-scatter.
-        bucket_cap_mb: bucket size in MB of grad-sync dtype.
+        bucket_cap_mb: bucket size in MB of grad-sync dtype (a positive finite number).
         dtype: optimizer state dtype: float32, or bfloat16/float16 (16-bit moments; params of
             that dtype are then their own masters, Apex's meaning).
         state_format: how the moments are stored (DistributedFusedAdam): "fp32", "bf16",
@@ -39,7 +39,8 @@ ZERO_ARGS_DOC = """
             ``dtype`` and ``with_scaled_states``. See Note: compact storage.
         store_param_remainders: (Apex) bf16 params keep an int16 remainder instead of an fp32
             master: the exact fp32 master is the param's bits plus the remainder; params are
-            rounded half away from zero (DistributedFusedAdam).
+            rounded half away from zero (DistributedFusedAdam); ValueError where it would change
+            nothing (no bf16 param gathered in bf16, or fp16 params).
         with_scaled_states: (Apex) ``state_format="scaled_fp16"`` (DistributedFusedAdam).
         grad_sync_dtype: dtype grads are accumulated and reduce-scattered in (default: the param
             dtype for fp32 params, float32 for fp16/bf16/fp64 params; fp64 params keep fp32
@@ -53,7 +54,8 @@ ZERO_ARGS_DOC = """
             just before the next module forward.
         skip_unused_params: skip params no rank computed a grad for, as torch.optim under
             DDP(find_unused_parameters=True) does (one small all-reduce and a host sync per
-            step); False updates them with a zero grad (no sync). Off under ``capturable``.
+            step, which also checks that the ranks are in lockstep: see Note: lockstep); False
+            updates them with a zero grad (no sync, no lockstep check). Off under ``capturable``.
         capturable: the step may be captured in a CUDA graph (with the forward and backward):
             no host sync, every collective joined before step() returns, lr may be a device
             tensor; needs overlap_param_sync=False and no GradScaler.

@@ -27,13 +27,6 @@ from shardopt.zero.state_storage import Storage
 from shardopt.zero.sync_bits import sync_to_params, write_sync
 
 ALIGN_BYTES = 128
-FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
-#: Apex's bit-copy path, any width (see Note: integer sync in shardopt/zero/sync_bits.py)
-INTEGER_SYNC_DTYPES = tuple(
-    d
-    for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-    + tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
-)
 
 # param id -> the distributed optimizer that shards it (a param is a view of one optimizer's
 # buffer; a second optimizer would silently break the first). Keyed by id, not stored on the
@@ -132,6 +125,58 @@ class ShardingConfig:
         return of
 
 
+def describe_hyperparams(
+    groups: list[dict[str, Any]], skip: frozenset[str] = frozenset()
+) -> list[dict[str, str]]:
+    """Each group's hyperparameters as comparable strings (a 1-element tensor by its value;
+    values that have no meaning on another rank, such as a multi-element tensor or an object,
+    are left out), for the checks that every rank holds the same ones."""
+
+    def text(v: Any) -> str | None:
+        if torch.is_tensor(v):
+            return repr(float(v.item())) if v.numel() == 1 and not v.is_meta else None
+        if isinstance(v, (tuple, list)):
+            parts = [text(x) for x in v]
+            return None if None in parts else "(" + ", ".join(parts) + ")"  # type: ignore[arg-type]
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return repr(float(v)) if isinstance(v, int) and not isinstance(v, bool) else repr(v)
+        return None
+
+    out = []
+    for g in groups:
+        desc = {k: text(v) for k, v in g.items() if k != "params" and k not in skip}
+        out.append({k: v for k, v in desc.items() if v is not None})
+    return out
+
+
+def hyperparam_diffs(
+    mine: list[dict[str, str]], everyone: list[list[dict[str, str]]], rank: int
+) -> list[str]:
+    """What differs between this rank's ``describe_hyperparams`` and every other rank's."""
+    diffs = []
+    for r, other in enumerate(everyone):
+        for gi, (a, b) in enumerate(zip(mine, other)):
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != b.get(k):
+                    diffs.append(
+                        f"group {gi} {k}: rank {rank} has {a.get(k, 'nothing')}, rank {r} has "
+                        f"{b.get(k, 'nothing')}"
+                    )
+    return diffs
+
+
+def raise_if_hyperparams_differ(
+    owner: str, what: str, mine: list[dict[str, str]], everyone: list, rank: int
+) -> None:
+    """ValueError on every rank (each compares itself with all) when hyperparameters differ."""
+    diffs = hyperparam_diffs(mine, everyone, rank)
+    if diffs:
+        raise ValueError(
+            f"{owner}: {what} differ between ranks (every rank must use the same lr, betas, "
+            "weight_decay, ...; each would update its shard with its own): " + "; ".join(diffs[:5])
+        )
+
+
 class ShardedParams:
     """The optimizer's params, their keys and the index maps between them.
 
@@ -213,9 +258,10 @@ class ShardedParams:
         first collective."""
         desc = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in self.all_params]
         groups = [len(g["params"]) for g in param_groups]
-        mine = (desc, groups, self.config.describe())
+        hyper = describe_hyperparams(param_groups)
+        mine = (desc, groups, self.config.describe(), hyper)
         everyone = comm.all_gather_object(mine, self.process_group)
-        for r, (other, other_groups, other_config) in enumerate(everyone):
+        for r, (other, other_groups, other_config, _) in enumerate(everyone):
             diffs = [
                 f"param {i}: rank {self.rank} has {a}, rank {r} has {b}"
                 for i, (a, b) in enumerate(zip(desc, other))
@@ -245,6 +291,9 @@ class ShardedParams:
                     f"{self.owner}: sharding settings differ between ranks (they must be equal on "
                     "every rank): " + "; ".join(settings)
                 )
+        raise_if_hyperparams_differ(
+            self.owner, "group hyperparameters", hyper, [e[3] for e in everyone], self.rank
+        )
 
     def _broadcast(self, redundant_process_group: comm.ProcessGroup | None) -> None:
         """Every rank starts from rank 0's params, as DDP does."""
@@ -419,30 +468,3 @@ def merge_master(
         rounded = torch.empty_like(param)
         sync_to_params(rounded, bits)
     return torch.where(rounded == param, master, param.to(master.dtype))
-
-
-def check_settings(
-    name: str,
-    grad_sync_dtype: torch.dtype | None,
-    param_sync_dtype: torch.dtype | None,
-    capturable: bool,
-    overlap_param_sync: bool,
-    bucket_cap_mb: float,
-) -> None:
-    """The sync dtypes and settings of one optimizer (or of params given their own dtypes)."""
-    if grad_sync_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: grad_sync_dtype must be a floating dtype, got {grad_sync_dtype}")
-    if param_sync_dtype not in FLOAT_DTYPES + INTEGER_SYNC_DTYPES:
-        raise TypeError(
-            f"{name}: param_sync_dtype must be a floating dtype or an integer dtype (Apex's "
-            f"bit copy of the params' values), got {param_sync_dtype}"
-        )
-    if param_sync_dtype in INTEGER_SYNC_DTYPES and capturable:
-        raise ValueError(f"{name}: an integer param_sync_dtype is not supported with capturable")
-    if capturable and overlap_param_sync:
-        raise ValueError(
-            f"{name}: capturable=True needs the param all-gathers to finish inside step() "
-            "(a CUDA graph must join all its work); use overlap_param_sync=False"
-        )
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"{name}: bucket_cap_mb must be positive, got {bucket_cap_mb}")

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from shardopt.optimizers.fused_optimizer import check_loaded_groups
+from shardopt.optimizers.state_dict import check_state_keys
 from shardopt.zero import comm, state_storage
 from shardopt.zero.layout import Range
+from shardopt.zero.sharded_params import describe_hyperparams, raise_if_hyperparams_differ
 from shardopt.zero.state_storage import MASTER
 
 PARAM_STEPS = "param_steps"  # own step of each param of a group, when some were skipped
@@ -176,6 +178,7 @@ class StateIO:
         pre-hook gets the optimizer, a post-hook the optimizer and the finished dict, and what a
         post-hook returns (not None) replaces the dict. Collective.
         """
+        self._arrive("state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         sd = self._gather_state_dict()
@@ -227,32 +230,14 @@ class StateIO:
                 entry["step"] = torch.tensor(float(own_step))
         return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state dict from ``state_dict()`` at any world size or bucket size, or one of
-        the matching single-process optimizer (FusedAdam, torch.optim.AdamW, ...).
-
-        Each rank copies only the fragments it owns; every group key is restored. A saved
-        ``master_param`` is kept only where it rounds to the param's current value (the params
-        are the truth: a model loaded or trained elsewhere since is not undone). The
-        ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks run as in torch.optim: a
-        pre-hook gets the optimizer and a shallow copy of ``state_dict`` and may return a dict
-        to load instead; a post-hook gets the optimizer after loading. Collective.
-        """
-        state_dict = state_dict.copy()  # shallow, as torch.optim: a pre-hook may edit it
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        self._scatter_state_dict(state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    @torch.no_grad()
-    def _scatter_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _check_loaded(self, state_dict: dict[str, Any]) -> tuple[list[dict], dict[int, Any]]:
+        """The checks of ``load_state_dict`` (this rank's); the groups to import (with the step
+        and each param's own step) and each param's id in the state dict."""
         name = type(self).__name__
         saved_groups = [dict(g) for g in state_dict["param_groups"]]
         check_loaded_groups(saved_groups, self.param_groups, name)
         saved_state = state_dict["state"]
+        check_state_keys(saved_state, self.state_names, name)
         saved_id: dict[int, Any] = {}
         for group, sg in zip(self.param_groups, saved_groups):
             for p, pid in zip(group["params"], sg["params"]):
@@ -275,6 +260,44 @@ class StateIO:
                 sg["step"] = max(steps + [0.0])
             if PARAM_STEPS not in sg:
                 sg[PARAM_STEPS] = [s if s >= 0 else sg["step"] for s in steps]
+        return saved_groups, saved_id
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict from ``state_dict()`` at any world size or bucket size, or one of
+        the matching single-process optimizer (FusedAdam, torch.optim.AdamW, ...).
+
+        Each rank copies only the fragments it owns; every group key is restored. A saved
+        ``master_param`` is kept only where it rounds to the param's current value (the params
+        are the truth: a model loaded or trained elsewhere since is not undone). The
+        ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks run as in torch.optim: a
+        pre-hook gets the optimizer and a shallow copy of ``state_dict`` and may return a dict
+        to load instead; a post-hook gets the optimizer after loading. Collective.
+        """
+        self._arrive("load_state_dict()")
+        state_dict = state_dict.copy()  # shallow, as torch.optim: a pre-hook may edit it
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._scatter_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    @torch.no_grad()
+    def _scatter_state_dict(self, state_dict: dict[str, Any]) -> None:
+        name = type(self).__name__
+        error = None
+        try:  # a state dict refused on one rank must be refused on every rank, not hang them
+            saved_groups, saved_id = self._check_loaded(state_dict)
+        except (ValueError, TypeError, KeyError) as e:
+            error = e
+        extras = set(self._extra_group_state(0)) if self.param_groups else set()
+        skip = frozenset({PARAM_STEPS, *extras})
+        mine = describe_hyperparams(saved_groups, skip) if error is None else None
+        everyone = comm.gather_checked(error, mine, self.process_group)
+        raise_if_hyperparams_differ(name, "the loaded group hyperparameters and steps", mine,
+                                    everyone, self.sharded.rank)  # fmt: skip
+        saved_state = state_dict["state"]
         for frag in self.shard_fragments(writable=True):
             p = self.all_params[frag.param]
             entry = saved_state.get(saved_id[id(p)], {})
