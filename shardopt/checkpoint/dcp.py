@@ -289,7 +289,7 @@ def load_sharded_state_dict(
         if own_steps and "param_steps" not in g:
             g["param_steps"] = [own_steps.get(pid, g["step"]) for pid in ids]
     optimizer.import_param_groups(groups)
-    optimizer.publish_masters()
+    optimizer.publish_masters(restore_weights=True)
 
 
 def _full_to_chunk(t: torch.Tensor, p: torch.Tensor, optimizer) -> torch.Tensor:

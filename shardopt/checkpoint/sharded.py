@@ -258,7 +258,9 @@ def load(
     Each rank verifies and reads only the files whose fragments overlap what it owns now, and
     checks the model's state dict against ``model.pt``. Nothing (model included) is changed
     unless every rank found everything it needs intact: any error on any rank makes every rank
-    raise first. The masters are taken from the checkpoint and written into the params.
+    raise first. The masters are taken from the checkpoint and written into the params, in every
+    storage format (fp32, fp32 copy masters, ``store_param_remainders``, 16-bit state): without
+    ``model`` the params still end with the saved weights.
 
     Args:
         path: a checkpoint directory written by ``save``.
@@ -326,12 +328,13 @@ def load(
             for frag, saved in zip(optimizer.shard_fragments(writable=True), backup):
                 for n, view in frag.tensors.items():
                     view.copy_(saved[n])
+        optimizer.drop_staged()  # compact storage: the uncommitted copies are not the state
         # the class's method: the instance's may be what failed (a wrapper, a patch)
         type(optimizer).import_param_groups(optimizer, groups_backup)
         if model_backup is not None:
             model.load_state_dict(model_backup)
         raise
-    optimizer.publish_masters()
+    optimizer.publish_masters(restore_weights=True)
 
 
 def _check_hyperparameters(groups: list, defaults: dict, path: Path) -> None:

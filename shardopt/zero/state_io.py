@@ -8,7 +8,8 @@ One interface serves ``state_dict()``/``load_state_dict()``, the sharded checkpo
 - ``export_param_groups()`` / ``import_param_groups()``: every param group key (hyperparameters,
   ``initial_lr`` and other keys schedulers add, the step, algorithm extras), with params as
   indices into ``all_params``; the one way a group is serialised;
-- ``publish_masters()``: writes the masters into the params after state was written.
+- ``publish_masters()``: writes the masters into the params after state was written
+  (``restore_weights=True``: a checkpoint's masters become the params in every storage format).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class StateIO:
     def _shard(buf, name: str):
         return buf.master if name == MASTER else buf.state[name]
 
-    def _commit_staged(self) -> None:
+    def _commit_staged(self, restore_weights: bool = False) -> None:
         """Encodes the values written into ``shard_fragments(writable=True)``'s copies."""
         staged = getattr(self, "_staged", None)
         self._staged = None
@@ -99,7 +100,9 @@ class StateIO:
                 buf = self.sharded.keys[key_index].buffers
                 f = buf.fragments[position]
                 for n, values in tensors.items():
-                    state_storage.write(buf, n, f.shard_range, values)
+                    state_storage.write(
+                        buf, n, f.shard_range, values, restore_weights=restore_weights
+                    )
 
     def drop_staged(self) -> None:
         """Forgets uncommitted writable copies (the step changes the state under them)."""
@@ -147,10 +150,18 @@ class StateIO:
                 self._set_own_step(p, step, float(own_step))
             self._load_extra_group_state(gi, saved)
 
-    def publish_masters(self) -> None:
+    def publish_masters(self, restore_weights: bool = False) -> None:
         """Stores what was written into writable fragments, writes the master shards into the
-        params and all-gathers them (collective)."""
-        self._commit_staged()
+        params and all-gathers them (collective).
+
+        Args:
+            restore_weights: the masters written are the weights to restore (a checkpoint's):
+                every storage format takes them as written, so the params become them. Without
+                it, a master kept in the params' own bits (``remainder`` keys, 16-bit params
+                that are their own masters) is kept only where it rounds to the param (see
+                Note: the params are the truth in engine.py).
+        """
+        self._commit_staged(restore_weights)
         self.param_sync.publish_masters()
 
     # -- algorithm hooks -------------------------------------------------------------------------
