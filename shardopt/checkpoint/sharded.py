@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from shardopt.checkpoint import format as fmt
+from shardopt.checkpoint import metadata as meta
 from shardopt.checkpoint.format import CheckpointError
 from shardopt.optimizers.fused_optimizer import check_loaded_groups
 from shardopt.zero import comm
@@ -100,6 +102,10 @@ def save(
     Every phase ends with all ranks agreeing: if anything fails on any rank (a write error such as
     ENOSPC, a group value JSON cannot hold), every rank raises, the files of this save are
     removed and what was saved before is untouched. Save each checkpoint to a new directory.
+    Once the new checkpoint is complete, the publisher removes what earlier saves into ``path``
+    left: the pending and temporary files of a save that was killed, and with ``overwrite`` the
+    replaced checkpoint's files the new one does not list (rank files of another world size, a
+    ``model.pt``).
 
     Args:
         path: the checkpoint directory (created; must not hold a checkpoint unless ``overwrite``).
@@ -130,6 +136,7 @@ def save(
     optimizer.wait_param_sync()
     name = fmt.rank_file(ranks.rank, ranks.world)
     written: list[Path] = []
+    files: dict[str, Any] = {}
     error, entry, fragments, text = None, None, [], None
     try:
         payload = []
@@ -140,7 +147,7 @@ def save(
             payload.append(item)
             fragments.append([frag.param, r.start, r.end])
         # every rank's groups must be storable (a value only one rank holds fails there)
-        fmt.encode_metadata(optimizer.export_param_groups(), path / fmt.METADATA)
+        meta.encode_metadata(optimizer.export_param_groups(), path / fmt.METADATA)
         if ranks.writes:
             written.append(_pending(path / name))
             entry = fmt.save_tensors(written[-1], {"fragments": payload})
@@ -155,7 +162,7 @@ def save(
             if model is not None:
                 written.append(_pending(path / fmt.MODEL))
                 files[fmt.MODEL] = fmt.save_tensors(written[-1], model.state_dict())
-            text = fmt.encode_metadata(
+            text = meta.encode_signed(
                 _metadata(optimizer, model, ranks.world, files, gathered), path / fmt.METADATA
             )
         except Exception as e:
@@ -186,20 +193,42 @@ def save(
         error = None
         if ranks.publishes:
             try:
-                fmt.write_metadata_text(path, text)
+                meta.write_metadata_text(path, text)
             except Exception as e:
                 error = e
         ranks.agree(error, f"save to {path}")
     except CheckpointError:
         _remove(*written, *placed)
         raise
+    if ranks.publishes:
+        _remove_leftovers(path, set(files))
+
+
+# what a save leaves behind only when it was killed (a pending file, a temporary of
+# format.atomic_write) or when a later save replaced its checkpoint (rank files of another world
+# size, a model.pt the new checkpoint does not have); never a user's file
+_SAVED_NAME = r"(rank\d{5}-of-\d{5}\.pt|model\.pt|metadata\.json)"
+_LEFTOVER = re.compile(rf"\.{{1,2}}{_SAVED_NAME}(\.pending)?(\.tmp-\d+)?")
+_REPLACED = re.compile(r"rank\d{5}-of-\d{5}\.pt|model\.pt")
+
+
+def _remove_leftovers(path: Path, listed: set[str]) -> None:
+    """Removes what killed or replaced saves left in ``path``, once the checkpoint of ``listed``
+    files is complete (so nothing a valid checkpoint needs is ever removed)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            name = entry.name
+            if name in listed or not entry.is_file(follow_symlinks=False):
+                continue
+            if _LEFTOVER.fullmatch(name) or _REPLACED.fullmatch(name):
+                _remove(path / name)
 
 
 def _metadata(optimizer, model, world: int, files: dict, gathered: list) -> dict[str, Any]:
     names = _param_names(optimizer, model)
     return {
-        "format": fmt.FORMAT,
-        "version": fmt.VERSION,
+        "format": meta.FORMAT,
+        "version": meta.VERSION,
         "world_size": world,
         "optimizer": type(optimizer).__name__,
         "state_names": list(optimizer.state_names),
@@ -277,7 +306,7 @@ def load(
     ranks = _Ranks(optimizer)
     error, metadata, payloads, model_state = None, None, [], None
     try:
-        metadata = fmt.read_metadata(path)
+        metadata = meta.read_metadata(path)
         check_compatible(metadata, optimizer, path)
         check_loaded_groups(metadata["param_groups"], optimizer.param_groups, str(path))
         _check_hyperparameters(metadata["param_groups"], optimizer.defaults, path)
@@ -286,7 +315,10 @@ def load(
             mine.setdefault(frag.param, []).append(frag.param_range)
         for name, frags in metadata["fragments"].items():
             if any(Range(s, e).intersect(r) for i, s, e in frags for r in mine.get(i, [])):
-                payloads.append(fmt.load_file(fmt.verify_file(path, name, metadata)))
+                payload = fmt.load_file(fmt.verify_file(path, name, metadata))
+                fmt.check_payload(path / name, payload, frags)
+                payloads.append(payload)
+        _check_coverage(path, metadata, payloads, optimizer)
         if model is not None and metadata["has_model"]:
             model_state = fmt.load_file(fmt.verify_file(path, fmt.MODEL, metadata))
             _check_model_state(model, model_state, path)
@@ -335,6 +367,28 @@ def load(
             model.load_state_dict(model_backup)
         raise
     optimizer.publish_masters(restore_weights=True)
+
+
+def _check_coverage(path: Path, metadata: dict, payloads: list, optimizer) -> None:
+    """Every element of every state this rank restores is in a fragment that was read; else
+    CheckpointError naming the state, the param and the first gap (a load never restores part
+    of the state and keeps the rest)."""
+    have: dict[tuple[int, str], list[Range]] = {}
+    for payload in payloads:
+        for f in payload["fragments"]:
+            for n, t in f.items():
+                if torch.is_tensor(t):
+                    have.setdefault((f["param"], n), []).append(Range(f["start"], f["end"]))
+    for frag in optimizer.shard_fragments():
+        for n in frag.tensors:
+            gap = fmt.first_gap(frag.param_range, have.get((frag.param, n), []))
+            if gap is not None:
+                name = metadata["params"][frag.param]["name"]
+                raise CheckpointError(
+                    f"{path}: state '{n}' of param {frag.param} '{name}': elements "
+                    f"[{gap.start}, {gap.end}) are in no fragment of the checkpoint (the "
+                    f"fragment lists of {fmt.METADATA} do not cover the param)"
+                )
 
 
 def _check_hyperparameters(groups: list, defaults: dict, path: Path) -> None:
