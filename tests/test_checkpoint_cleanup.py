@@ -111,6 +111,18 @@ def overwrite_at_world_1(rank, world):
     _loads_as(path, model, opt)
 
 
+def user_model_file_kept(rank, world):
+    """A model.pt no checkpoint listed is the user's: a save without a model keeps it."""
+    path = _root() / "users"
+    path.mkdir()
+    (path / "model.pt").write_text("mine")
+    model, opt = _trained(rank)
+    checkpoint.save(path, opt)
+    assert (path / "model.pt").read_text() == "mine"
+    assert _names(path) == {"rank00000-of-00001.pt", "metadata.json", "model.pt"}
+    _loads_as(path, model, opt)
+
+
 def save_after_killed_save(rank, world):
     """At world 3 into the directory a killed world-2 save left (pending files, no metadata)."""
     path = _root() / "killed"
@@ -159,7 +171,7 @@ def test_leftovers_are_cleaned_by_the_next_save(tmp_path):
         _kill_a_save(str(tmp_path))
         results = run_cases([save_w3, save_after_killed_save], 3)
         results.update(run_cases([overwrite_fails_then_succeeds], 2))
-        results.update(run_cases([overwrite_at_world_1], 1))
+        results.update(run_cases([overwrite_at_world_1, user_model_file_kept], 1))
     finally:
         os.environ.pop(ROOT, None)
     for name, err in results.items():

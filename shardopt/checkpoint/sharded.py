@@ -9,6 +9,7 @@ the checkpoint is usable before any state is changed, so a failed load loses not
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -104,8 +105,8 @@ def save(
     removed and what was saved before is untouched. Save each checkpoint to a new directory.
     Once the new checkpoint is complete, the publisher removes what earlier saves into ``path``
     left: the pending and temporary files of a save that was killed, and with ``overwrite`` the
-    replaced checkpoint's files the new one does not list (rank files of another world size, a
-    ``model.pt``).
+    replaced checkpoint's files the new one does not list (rank files of another world size, its
+    ``model.pt``). Files of other names are never touched.
 
     Args:
         path: the checkpoint directory (created; must not hold a checkpoint unless ``overwrite``).
@@ -120,7 +121,7 @@ def save(
     _check_optimizer(optimizer)
     path = Path(path)
     ranks = _Ranks(optimizer)
-    error = None
+    error, replaced = None, set()
     if ranks.publishes:
         try:
             path.mkdir(parents=True, exist_ok=True)
@@ -129,6 +130,7 @@ def save(
                     f"{path}: already holds a checkpoint; pass overwrite=True or use a new "
                     "directory"
                 )
+            replaced = _listed_files(path)
         except Exception as e:
             error = e
     ranks.agree(error, f"save to {path}")
@@ -201,26 +203,37 @@ def save(
         _remove(*written, *placed)
         raise
     if ranks.publishes:
-        _remove_leftovers(path, set(files))
+        _remove_leftovers(path, set(files), replaced)
 
 
 # what a save leaves behind only when it was killed (a pending file, a temporary of
 # format.atomic_write) or when a later save replaced its checkpoint (rank files of another world
-# size, a model.pt the new checkpoint does not have); never a user's file
-_SAVED_NAME = r"(rank\d{5}-of-\d{5}\.pt|model\.pt|metadata\.json)"
-_LEFTOVER = re.compile(rf"\.{{1,2}}{_SAVED_NAME}(\.pending)?(\.tmp-\d+)?")
-_REPLACED = re.compile(r"rank\d{5}-of-\d{5}\.pt|model\.pt")
+# size); never a user's file
+_RANK_FILE = r"rank\d{5}-of-\d{5}\.pt"
+_LEFTOVER = re.compile(
+    rf"\.{{1,2}}({_RANK_FILE}|model\.pt|metadata\.json)(\.pending)?(\.tmp-\d+)?|{_RANK_FILE}"
+)
 
 
-def _remove_leftovers(path: Path, listed: set[str]) -> None:
-    """Removes what killed or replaced saves left in ``path``, once the checkpoint of ``listed``
-    files is complete (so nothing a valid checkpoint needs is ever removed)."""
+def _listed_files(path: Path) -> set[str]:
+    """The files the checkpoint in ``path`` lists (none if there is none or it is unreadable)."""
+    try:
+        files = json.loads((path / fmt.METADATA).read_bytes())["files"]
+        return {n for n in files if isinstance(n, str) and Path(n).name == n}
+    except (OSError, ValueError, TypeError, KeyError):
+        return set()
+
+
+def _remove_leftovers(path: Path, listed: set[str], replaced: set[str]) -> None:
+    """Removes what killed or replaced saves left in ``path`` (pending and temporary files, rank
+    files, the files the replaced checkpoint listed) but ``listed``, once the new checkpoint is
+    complete: nothing a valid checkpoint needs is ever removed."""
     with contextlib.suppress(OSError):
         for entry in os.scandir(path):
             name = entry.name
             if name in listed or not entry.is_file(follow_symlinks=False):
                 continue
-            if _LEFTOVER.fullmatch(name) or _REPLACED.fullmatch(name):
+            if _LEFTOVER.fullmatch(name) or name in replaced:
                 _remove(path / name)
 
 
