@@ -8,6 +8,8 @@ One interface serves ``state_dict()``/``load_state_dict()``, the sharded checkpo
 - ``export_param_groups()`` / ``import_param_groups()``: every param group key (hyperparameters,
   ``initial_lr`` and other keys schedulers add, the step, algorithm extras), with params as
   indices into ``all_params``; the one way a group is serialised;
+- ``saved_names(param)``: the values a saver holds for a param (state names, and the master
+  unless the param is an fp32 param that is its own master);
 - ``publish_masters()``: writes the masters into the params after state was written
   (``restore_weights=True``: a checkpoint's masters become the params in every storage format).
 """
@@ -84,6 +86,17 @@ class StateIO:
                 else:
                     tensors = {n: state_storage.read(buf, n, f.shard_range) for n in names}
                 yield ShardFragment(sharded.all_index[f.param], f.param_range, tensors)
+
+    def saved_names(self, param: int) -> list[str]:
+        """The fp32 values state I/O holds for ``all_params[param]`` beyond the param itself:
+        its state names, and ``master_param`` unless it is an fp32 param that is its own master
+        (see Note: compact storage in state_storage.py). Empty for a frozen param."""
+        i = self.sharded.param_index.get(id(self.all_params[param]))
+        if i is None:
+            return []
+        buf = self.sharded.param_key[i].buffers
+        own = buf.master_kind == "param" and self.all_params[param].dtype == torch.float32
+        return list(buf.state) + ([] if own else [MASTER])
 
     @staticmethod
     def _shard(buf, name: str):
