@@ -1,4 +1,9 @@
-"""``python -m shardopt.checkpoint {consolidate,inspect}``: offline checkpoint tools."""
+"""``python -m shardopt.checkpoint {consolidate,inspect}``: offline checkpoint tools.
+
+Exit status: 0 done (``inspect``: every file intact), 1 ``inspect`` found a damaged file, 2 bad
+input (a checkpoint that cannot be read, an output path that cannot be written): one
+``error: ...`` line on stderr.
+"""
 
 import argparse
 import sys
@@ -25,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
             report = inspect(args.checkpoint)
             print(report)
             return 0 if report.rstrip().endswith("OK") else 1
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:  # bad input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -10,14 +10,10 @@ from typing import Any
 import torch
 
 from shardopt.checkpoint import format as fmt
+from shardopt.checkpoint import metadata as meta
 from shardopt.checkpoint.format import CheckpointError
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+from shardopt.zero.layout import Range
+from shardopt.zero.state_io import PARAM_STEPS
 
 
 def consolidated_state_dict(path: str | os.PathLike) -> tuple[dict[str, Any], dict | None]:
@@ -25,40 +21,53 @@ def consolidated_state_dict(path: str | os.PathLike) -> tuple[dict[str, Any], di
 
     The optimizer state dict loads into the matching single-process class (FusedAdam, ...), into
     torch.optim.AdamW for Adam state, and into a DistributedFused optimizer at any world size.
-    fp32 masters are kept only for low-precision params (``master_param``).
+    fp32 masters are kept only for low-precision params (``master_param``). Each param's
+    ``step`` is its own (smaller than the group's for a param skipped while unused).
     """
     path = Path(path)
-    metadata = fmt.read_metadata(path)
+    metadata = meta.read_metadata(path)
     params = metadata["params"]
     full: dict[int, dict[str, torch.Tensor]] = {}
-    for name in metadata["fragments"]:
+    have: dict[tuple[int, str], list[Range]] = {}
+    for name, listed in metadata["fragments"].items():
         payload = fmt.load_file(fmt.verify_file(path, name, metadata))
+        fmt.check_payload(path / name, payload, listed)
         for frag in payload["fragments"]:
             i = frag["param"]
-            numel = 1
-            for d in params[i]["shape"]:
-                numel *= d
             entry = full.setdefault(i, {})
             for key, value in frag.items():
                 if not torch.is_tensor(value):
                     continue
+                numel = meta.numel(params[i]["shape"])
                 t = entry.setdefault(key, torch.zeros(numel, dtype=value.dtype))
                 t[frag["start"] : frag["end"]].copy_(value)
+                have.setdefault((i, key), []).append(Range(frag["start"], frag["end"]))
+    for i, entry in full.items():  # every state of a saved param complete, none zero-filled
+        for key in entry:
+            gap = fmt.first_gap(Range(0, meta.numel(params[i]["shape"])), have[(i, key)])
+            if gap is not None:
+                raise CheckpointError(
+                    f"{path}: state '{key}' of param {i} '{params[i]['name']}': elements "
+                    f"[{gap.start}, {gap.end}) are in no fragment of the checkpoint"
+                )
     state: dict[int, dict[str, Any]] = {}
     groups = []
     for sg in metadata["param_groups"]:
         group = {k: (tuple(v) if k == "betas" else v) for k, v in sg.items()}
+        # each param's own step goes into its state, as torch.optim keeps it (see Note: skipped
+        # params in shardopt/zero/update_calls.py)
+        own = group.pop(PARAM_STEPS, [sg["step"]] * len(sg["params"]))
         if "exp_avg_sq" in group:
             group["exp_avg_sq"] = torch.tensor(group["exp_avg_sq"], dtype=torch.float32)
         groups.append(group)
-        for i in sg["params"]:
+        for i, own_step in zip(sg["params"], own):
             if i not in full:
                 continue
             shape = params[i]["shape"]
             entry = {k: v.view(shape) for k, v in full[i].items()}
-            if _DTYPES[params[i]["dtype"]] not in (torch.float16, torch.bfloat16):
+            if meta.DTYPES[params[i]["dtype"]] not in (torch.float16, torch.bfloat16):
                 entry.pop("master_param", None)
-            entry["step"] = torch.tensor(float(sg["step"]))
+            entry["step"] = torch.tensor(float(own_step))
             state[i] = entry
     model = None
     if metadata.get("has_model"):
@@ -68,10 +77,20 @@ def consolidated_state_dict(path: str | os.PathLike) -> tuple[dict[str, Any], di
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
     """Writes the consolidated optimizer state dict to ``out`` (and the model's, if saved, to
-    ``<out stem>.model.pt``); returns the files written."""
+    ``<out stem>.model.pt``); returns the files written.
+
+    Raises:
+        CheckpointError: a bad checkpoint (see ``shardopt.checkpoint.load``), ``out`` a
+            directory, or a path that cannot be written (the OS error; a full disk named).
+    """
     sd, model = consolidated_state_dict(path)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise CheckpointError(f"{out}: is a directory; give the path of the file to write")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{out.parent}: cannot create the directory: {e.strerror}") from e
     written = [out]
     fmt.atomic_write(out, lambda f: torch.save(sd, f))
     if model is not None:
@@ -84,7 +103,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
 def inspect(path: str | os.PathLike) -> str:
     """A readable summary: world size, params, dtypes, bytes, steps, and an integrity check."""
     path = Path(path)
-    metadata = fmt.read_metadata(path)
+    metadata = meta.read_metadata(path)
     lines = [
         f"checkpoint {path}",
         f"  format {metadata['format']} v{metadata['version']}, saved by {metadata['optimizer']} "

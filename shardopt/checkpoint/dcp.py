@@ -37,8 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-MASTER = "master_param"
-
 
 def _mesh(optimizer):
     """The optimizer's device mesh: 1-D over the process group, or (replica, shard) with a
@@ -78,14 +76,6 @@ def _named_parameters(model):
     for fqn, p in model.named_parameters(remove_duplicate=True):
         parts = [s for s in fqn.split(".") if s not in ("module", "_orig_mod")]
         yield ".".join(parts), p
-
-
-def _names(optimizer, p: torch.Tensor) -> list[str]:
-    names = list(optimizer.state_names)
-    sync = getattr(optimizer.config, "param_sync_dtype", None)
-    if p.dtype != torch.float32 or sync not in (None, p.dtype):
-        names.append(MASTER)  # a separate fp32 master (else the param itself is the master)
-    return names
 
 
 def _row_chunk(p: torch.Tensor, rank: int, world: int) -> tuple[int, int]:
@@ -193,7 +183,7 @@ def _local_chunks(optimizer) -> dict[int, dict[str, torch.Tensor]]:
         s, e = _row_chunk(p, rank, world)
         out[i] = {
             n: torch.zeros(e - s, dtype=torch.float32, device=optimizer.device)
-            for n in _names(optimizer, p)
+            for n in optimizer.saved_names(i)
         }
     return out
 
@@ -270,7 +260,7 @@ def load_sharded_state_dict(
         i = index[fqn]
         p = optimizer.all_params[i]
         locals_[i] = {}
-        for n in _names(optimizer, p):
+        for n in optimizer.saved_names(i):
             t = entry.get(n)
             if t is None:
                 continue
@@ -289,7 +279,7 @@ def load_sharded_state_dict(
         if own_steps and "param_steps" not in g:
             g["param_steps"] = [own_steps.get(pid, g["step"]) for pid in ids]
     optimizer.import_param_groups(groups)
-    optimizer.publish_masters()
+    optimizer.publish_masters(restore_weights=True)
 
 
 def _full_to_chunk(t: torch.Tensor, p: torch.Tensor, optimizer) -> torch.Tensor:

@@ -9,7 +9,9 @@ the checkpoint is usable before any state is changed, so a failed load loses not
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from shardopt.checkpoint import format as fmt
+from shardopt.checkpoint import metadata as meta
 from shardopt.checkpoint.format import CheckpointError
 from shardopt.optimizers.fused_optimizer import check_loaded_groups
 from shardopt.zero import comm
@@ -101,6 +104,10 @@ def save(
     Every phase ends with all ranks agreeing: if anything fails on any rank (a write error such as
     ENOSPC, a group value JSON cannot hold), every rank raises, the files of this save are
     removed and what was saved before is untouched. Save each checkpoint to a new directory.
+    Once the new checkpoint is complete, the publisher removes what earlier saves into ``path``
+    left: the pending and temporary files of a save that was killed, and with ``overwrite`` the
+    replaced checkpoint's files the new one does not list (rank files of another world size, its
+    ``model.pt``). Files of other names are never touched.
 
     Args:
         path: the checkpoint directory (created; must not hold a checkpoint unless ``overwrite``).
@@ -115,7 +122,7 @@ def save(
     _check_optimizer(optimizer)
     path = Path(path)
     ranks = _Ranks(optimizer, "shardopt.checkpoint.save()")
-    error = None
+    error, replaced = None, set()
     if ranks.publishes:
         try:
             path.mkdir(parents=True, exist_ok=True)
@@ -124,6 +131,7 @@ def save(
                     f"{path}: already holds a checkpoint; pass overwrite=True or use a new "
                     "directory"
                 )
+            replaced = _listed_files(path)
         except Exception as e:
             error = e
     ranks.agree(error, f"save to {path}")
@@ -131,6 +139,7 @@ def save(
     optimizer.wait_param_sync()
     name = fmt.rank_file(ranks.rank, ranks.world)
     written: list[Path] = []
+    files: dict[str, Any] = {}
     error, entry, fragments, text = None, None, [], None
     try:
         payload = []
@@ -141,7 +150,7 @@ def save(
             payload.append(item)
             fragments.append([frag.param, r.start, r.end])
         # every rank's groups must be storable (a value only one rank holds fails there)
-        fmt.encode_metadata(optimizer.export_param_groups(), path / fmt.METADATA)
+        meta.encode_metadata(optimizer.export_param_groups(), path / fmt.METADATA)
         if ranks.writes:
             written.append(_pending(path / name))
             entry = fmt.save_tensors(written[-1], {"fragments": payload})
@@ -156,7 +165,7 @@ def save(
             if model is not None:
                 written.append(_pending(path / fmt.MODEL))
                 files[fmt.MODEL] = fmt.save_tensors(written[-1], model.state_dict())
-            text = fmt.encode_metadata(
+            text = meta.encode_signed(
                 _metadata(optimizer, model, ranks.world, files, gathered), path / fmt.METADATA
             )
         except Exception as e:
@@ -187,20 +196,53 @@ def save(
         error = None
         if ranks.publishes:
             try:
-                fmt.write_metadata_text(path, text)
+                meta.write_metadata_text(path, text)
             except Exception as e:
                 error = e
         ranks.agree(error, f"save to {path}")
     except CheckpointError:
         _remove(*written, *placed)
         raise
+    if ranks.publishes:
+        _remove_leftovers(path, set(files), replaced)
+
+
+# what a save leaves behind only when it was killed (a pending file, a temporary of
+# format.atomic_write) or when a later save replaced its checkpoint (rank files of another world
+# size); never a user's file
+_RANK_FILE = r"rank\d{5}-of-\d{5}\.pt"
+_LEFTOVER = re.compile(
+    rf"\.{{1,2}}({_RANK_FILE}|model\.pt|metadata\.json)(\.pending)?(\.tmp-\d+)?|{_RANK_FILE}"
+)
+
+
+def _listed_files(path: Path) -> set[str]:
+    """The files the checkpoint in ``path`` lists (none if there is none or it is unreadable)."""
+    try:
+        files = json.loads((path / fmt.METADATA).read_bytes())["files"]
+        return {n for n in files if isinstance(n, str) and Path(n).name == n}
+    except (OSError, ValueError, TypeError, KeyError):
+        return set()
+
+
+def _remove_leftovers(path: Path, listed: set[str], replaced: set[str]) -> None:
+    """Removes what killed or replaced saves left in ``path`` (pending and temporary files, rank
+    files, the files the replaced checkpoint listed) but ``listed``, once the new checkpoint is
+    complete: nothing a valid checkpoint needs is ever removed."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            name = entry.name
+            if name in listed or not entry.is_file(follow_symlinks=False):
+                continue
+            if _LEFTOVER.fullmatch(name) or name in replaced:
+                _remove(path / name)
 
 
 def _metadata(optimizer, model, world: int, files: dict, gathered: list) -> dict[str, Any]:
     names = _param_names(optimizer, model)
     return {
-        "format": fmt.FORMAT,
-        "version": fmt.VERSION,
+        "format": meta.FORMAT,
+        "version": meta.VERSION,
         "world_size": world,
         "optimizer": type(optimizer).__name__,
         "state_names": list(optimizer.state_names),
@@ -259,7 +301,9 @@ def load(
     Each rank verifies and reads only the files whose fragments overlap what it owns now, and
     checks the model's state dict against ``model.pt``. Nothing (model included) is changed
     unless every rank found everything it needs intact: any error on any rank makes every rank
-    raise first. The masters are taken from the checkpoint and written into the params.
+    raise first. The masters are taken from the checkpoint and written into the params, in every
+    storage format (fp32, fp32 copy masters, ``store_param_remainders``, 16-bit state): without
+    ``model`` the params still end with the saved weights.
 
     Args:
         path: a checkpoint directory written by ``save``.
@@ -276,7 +320,7 @@ def load(
     ranks = _Ranks(optimizer, "shardopt.checkpoint.load()")
     error, metadata, payloads, model_state = None, None, [], None
     try:
-        metadata = fmt.read_metadata(path)
+        metadata = meta.read_metadata(path)
         check_compatible(metadata, optimizer, path)
         check_loaded_groups(metadata["param_groups"], optimizer.param_groups, str(path))
         _check_hyperparameters(metadata["param_groups"], optimizer.defaults, path)
@@ -285,7 +329,10 @@ def load(
             mine.setdefault(frag.param, []).append(frag.param_range)
         for name, frags in metadata["fragments"].items():
             if any(Range(s, e).intersect(r) for i, s, e in frags for r in mine.get(i, [])):
-                payloads.append(fmt.load_file(fmt.verify_file(path, name, metadata)))
+                payload = fmt.load_file(fmt.verify_file(path, name, metadata))
+                fmt.check_payload(path / name, payload, frags)
+                payloads.append(payload)
+        _check_coverage(path, metadata, payloads, optimizer)
         if model is not None and metadata["has_model"]:
             model_state = fmt.load_file(fmt.verify_file(path, fmt.MODEL, metadata))
             _check_model_state(model, model_state, path)
@@ -327,12 +374,35 @@ def load(
             for frag, saved in zip(optimizer.shard_fragments(writable=True), backup):
                 for n, view in frag.tensors.items():
                     view.copy_(saved[n])
+        optimizer.drop_staged()  # compact storage: the uncommitted copies are not the state
         # the class's method: the instance's may be what failed (a wrapper, a patch)
         type(optimizer).import_param_groups(optimizer, groups_backup)
         if model_backup is not None:
             model.load_state_dict(model_backup)
         raise
-    optimizer.publish_masters()
+    optimizer.publish_masters(restore_weights=True)
+
+
+def _check_coverage(path: Path, metadata: dict, payloads: list, optimizer) -> None:
+    """Every element of every state this rank restores is in a fragment that was read; else
+    CheckpointError naming the state, the param and the first gap (a load never restores part
+    of the state and keeps the rest)."""
+    have: dict[tuple[int, str], list[Range]] = {}
+    for payload in payloads:
+        for f in payload["fragments"]:
+            for n, t in f.items():
+                if torch.is_tensor(t):
+                    have.setdefault((f["param"], n), []).append(Range(f["start"], f["end"]))
+    for frag in optimizer.shard_fragments():
+        for n in frag.tensors:
+            gap = fmt.first_gap(frag.param_range, have.get((frag.param, n), []))
+            if gap is not None:
+                name = metadata["params"][frag.param]["name"]
+                raise CheckpointError(
+                    f"{path}: state '{n}' of param {frag.param} '{name}': elements "
+                    f"[{gap.start}, {gap.end}) are in no fragment of the checkpoint (the "
+                    f"fragment lists of {fmt.METADATA} do not cover the param)"
+                )
 
 
 def _check_hyperparameters(groups: list, defaults: dict, path: Path) -> None:

@@ -8,7 +8,10 @@ One interface serves ``state_dict()``/``load_state_dict()``, the sharded checkpo
 - ``export_param_groups()`` / ``import_param_groups()``: every param group key (hyperparameters,
   ``initial_lr`` and other keys schedulers add, the step, algorithm extras), with params as
   indices into ``all_params``; the one way a group is serialised;
-- ``publish_masters()``: writes the masters into the params after state was written.
+- ``saved_names(param)``: the values a saver holds for a param (state names, and the master
+  unless the param is an fp32 param that is its own master);
+- ``publish_masters()``: writes the masters into the params after state was written
+  (``restore_weights=True``: a checkpoint's masters become the params in every storage format).
 """
 
 from __future__ import annotations
@@ -87,11 +90,22 @@ class StateIO:
                     tensors = {n: state_storage.read(buf, n, f.shard_range) for n in names}
                 yield ShardFragment(sharded.all_index[f.param], f.param_range, tensors)
 
+    def saved_names(self, param: int) -> list[str]:
+        """The fp32 values state I/O holds for ``all_params[param]`` beyond the param itself:
+        its state names, and ``master_param`` unless it is an fp32 param that is its own master
+        (see Note: compact storage in state_storage.py). Empty for a frozen param."""
+        i = self.sharded.param_index.get(id(self.all_params[param]))
+        if i is None:
+            return []
+        buf = self.sharded.param_key[i].buffers
+        own = buf.master_kind == "param" and self.all_params[param].dtype == torch.float32
+        return list(buf.state) + ([] if own else [MASTER])
+
     @staticmethod
     def _shard(buf, name: str):
         return buf.master if name == MASTER else buf.state[name]
 
-    def _commit_staged(self) -> None:
+    def _commit_staged(self, restore_weights: bool = False) -> None:
         """Encodes the values written into ``shard_fragments(writable=True)``'s copies."""
         staged = getattr(self, "_staged", None)
         self._staged = None
@@ -102,7 +116,9 @@ class StateIO:
                 buf = self.sharded.keys[key_index].buffers
                 f = buf.fragments[position]
                 for n, values in tensors.items():
-                    state_storage.write(buf, n, f.shard_range, values)
+                    state_storage.write(
+                        buf, n, f.shard_range, values, restore_weights=restore_weights
+                    )
 
     def drop_staged(self) -> None:
         """Forgets uncommitted writable copies (the step changes the state under them)."""
@@ -150,10 +166,18 @@ class StateIO:
                 self._set_own_step(p, step, float(own_step))
             self._load_extra_group_state(gi, saved)
 
-    def publish_masters(self) -> None:
+    def publish_masters(self, restore_weights: bool = False) -> None:
         """Stores what was written into writable fragments, writes the master shards into the
-        params and all-gathers them (collective)."""
-        self._commit_staged()
+        params and all-gathers them (collective).
+
+        Args:
+            restore_weights: the masters written are the weights to restore (a checkpoint's):
+                every storage format takes them as written, so the params become them. Without
+                it, a master kept in the params' own bits (``remainder`` keys, 16-bit params
+                that are their own masters) is kept only where it rounds to the param (see
+                Note: the params are the truth in engine.py).
+        """
+        self._commit_staged(restore_weights)
         self.param_sync.publish_masters()
 
     # -- algorithm hooks -------------------------------------------------------------------------

@@ -150,8 +150,13 @@ def read(buffers, name: str, r: Range) -> torch.Tensor:
 
 
 @torch.no_grad()
-def write(buffers, name: str, r: Range, values: torch.Tensor) -> None:
-    """Stores fp32 ``values`` into shard range ``r`` of state ``name`` (or ``MASTER``)."""
+def write(
+    buffers, name: str, r: Range, values: torch.Tensor, *, restore_weights: bool = False
+) -> None:
+    """Stores fp32 ``values`` into shard range ``r`` of state ``name`` (or ``MASTER``).
+
+    A master of a ``remainder`` or 16-bit ``param`` key is kept only where it rounds to the
+    param, unless ``restore_weights`` (a checkpoint's masters are the weights to restore)."""
     buf, fmt = buffers, buffers.storage.state_format
     values = values.to(torch.float32).reshape(-1)
     if name == MASTER:
@@ -159,13 +164,14 @@ def write(buffers, name: str, r: Range, values: torch.Tensor) -> None:
         if buf.master_kind == "remainder":
             values = values.to(buf.remainder.device)
             master = master.to(buf.remainder.device)  # a copy when offloaded, written back below
-            rounded, remainder = state_codec.split_master(values)
-            keep = rounded == master  # the params are the truth
-            values = torch.where(keep, values, master.float())
+            if not restore_weights:
+                rounded, remainder = state_codec.split_master(values)
+                keep = rounded == master  # the params are the truth
+                values = torch.where(keep, values, master.float())
             rounded, remainder = state_codec.split_master(values)
             buf.shard_slice(buf.master, r).copy_(rounded)
             buf.shard_slice(buf.remainder, r).copy_(remainder)
-        elif buf.master_kind == "copy" or master.dtype == torch.float32:
+        elif buf.master_kind == "copy" or master.dtype == torch.float32 or restore_weights:
             master.copy_(values)
         # a 16-bit param that is its own master keeps its value: the params are the truth
         return
