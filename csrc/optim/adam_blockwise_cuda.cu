@@ -23,7 +23,9 @@
 // with the reciprocals of the bias corrections computed once: the same bits, without the branch
 // around each division that kept the 8 elements of a lane from overlapping. Elsewhere the plain
 // expression. The range check is an integer min and max of the bits of |m| and v per lane, which
-// the block amax needs anyway.
+// the block amax needs anyway. v is stored as its root (state_codec.h): decoded as r * r, and
+// after the update rooted by the same sqrt sequence where the lane's v are in range (else the
+// correctly rounded sqrt); a block's v scale is that of its roots.
 //
 // int8 codes: one shared-memory word per bucket of the sign-folded xn (state_codec.h,
 // int8_code_search): one lookup and one comparison (a borrow) per code; decoding reads the maps
@@ -681,7 +683,20 @@ struct BlockwiseAdam : cuda::OpBase {
     return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
   }
 
-  // The codes of 8 values with their block's scale.
+  // A value scaled for its code: m's, or a root of v's raised to the smallest positive code value
+  // where it is positive (codec::floor_positive; map_v[1]: the unsigned map's).
+  template <bool kSigned>
+  static __device__ __forceinline__ float scaled(float x, const codec::Scale& sc) {
+    if constexpr (kSigned) {
+      return x * sc.inv;
+    } else if constexpr (kInt8) {
+      return codec::floor_positive(x, x * sc.inv, tables().map_v[1]);
+    } else {
+      return codec::floor_positive(x, x * sc.inv, codec::kHalfTiny);
+    }
+  }
+
+  // The codes of 8 values with their block's scale (v's: its roots).
   template <bool kSigned>
   __device__ __forceinline__ void encode(const float (&x)[kPerLane], const codec::Scale& sc,
                                          uint32_t (&w)[kWords<C>], const Ctx& ctx) const {
@@ -690,7 +705,9 @@ struct BlockwiseAdam : cuda::OpBase {
         const uint32_t* words = kSigned ? tables().words_m : tables().words_v;
         uint32_t c[kPerLane];
 #pragma unroll
-        for (int e = 0; e < kPerLane; ++e) c[e] = int8_code(x[e] * sc.inv, words, kSigned);
+        for (int e = 0; e < kPerLane; ++e) {
+          c[e] = int8_code(scaled<kSigned>(x[e], sc), words, kSigned);
+        }
         w[0] = pack_bytes(c[0], c[1], c[2], c[3]);
         w[1] = pack_bytes(c[4], c[5], c[6], c[7]);
       } else {  // a block holding inf or NaN: every code the zero code (a warp-uniform branch)
@@ -700,7 +717,8 @@ struct BlockwiseAdam : cuda::OpBase {
       // fp16 codes two at a time (cvt.rn.f16x2.f32: two cvt.rn.f16.f32, as c10::Half's).
 #pragma unroll
       for (int e = 0; e < kPerLane; e += 2) {
-        const __half2 h2 = __floats2half2_rn(x[e] * sc.inv, x[e + 1] * sc.inv);
+        const __half2 h2 =
+            __floats2half2_rn(scaled<kSigned>(x[e], sc), scaled<kSigned>(x[e + 1], sc));
         memcpy(&w[e / 2], &h2, 4);
       }
     }
@@ -727,19 +745,18 @@ struct BlockwiseAdam : cuda::OpBase {
       for (int e = 0; e < kPerLane; ++e) {
         master[k][e] = master_of(x[k], e);
         mf[k][e] = decode(x[k].m, e, x[k].ms, true, ctx);
-        vf[k][e] = decode(x[k].v, e, x[k].vs, false, ctx);
+        vf[k][e] = codec::v_of_root(decode(x[k].v, e, x[k].vs, false, ctx));
         adam::moments<float>(master[k][e], word_float<G>(x[k].g, e) * ctx.gs, mf[k][e], vf[k][e],
                              hl);
       }
     }
-    // Per block, the lane's max of |m| and of v as bits (the block amax); over all, their mins
-    // and maxes (the range check).
-    uint32_t m_hi[N], v_hi[N];
+    // Per block, the lane's max of |m| as bits (the block amax); over all, the mins and maxes of
+    // |m| and v (the range check).
+    uint32_t m_hi[N];
     uint32_t m_lo = 0xFFFFFFFFu, v_lo = 0xFFFFFFFFu, m_top = 0, v_top = 0;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       m_hi[k] = 0;
-      v_hi[k] = 0;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
         if (kFull || e < n) {
@@ -748,11 +765,25 @@ struct BlockwiseAdam : cuda::OpBase {
           m_lo = min(m_lo, a);
           m_hi[k] = max(m_hi[k], a);
           v_lo = min(v_lo, b);
-          v_hi[k] = max(v_hi[k], b);
+          v_top = max(v_top, b);
         }
       }
       m_top = max(m_top, m_hi[k]);
-      v_top = max(v_top, v_hi[k]);
+    }
+    // v is stored as its root (state_codec.h): sqrt_fast where every v of the lane is in
+    // FastDirection's range (inside that of the sqrt.rn sequence), else the correctly rounded
+    // sqrt; per block, the lane's max of |root| as bits (a negative v has a NaN root).
+    const bool root_fast = v_lo >= FastDirection::kVLo && v_top < FastDirection::kVHi;
+    float rf[N][kPerLane];
+    uint32_t r_hi[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      r_hi[k] = 0;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        rf[k][e] = root_fast ? sqrt_fast(vf[k][e]) : codec::v_root(vf[k][e]);
+        if (kFull || e < n) r_hi[k] = max(r_hi[k], codec::abs_bits(rf[k][e]));
+      }
     }
     float u[N][kPerLane];
     if (ctx.fast.ok && FastDirection::operands(m_lo, m_top, v_lo, v_top)) {
@@ -778,22 +809,11 @@ struct BlockwiseAdam : cuda::OpBase {
       store<P>(meta, kP, parts[k], first, pw, n, whole && vec, vec);
       if constexpr (kRem) store<int16_t>(meta, kR, parts[k], first, rw, n, whole && vec, vec);
     }
-    uint32_t m_amax[N], v_amax[N];
+    uint32_t m_amax[N], v_amax[N];  // v_amax: of the roots
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       m_amax[k] = warp_max(m_hi[k]);
-      v_amax[k] = warp_max(v_hi[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      if (v_amax[k] > codec::kAbsMask) {  // a v with its sign bit set: the amax of |v| (uniform)
-        uint32_t a = 0;
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) {
-          if (kFull || e < n) a = max(a, codec::abs_bits(vf[k][e]));
-        }
-        v_amax[k] = warp_max(a);
-      }
+      v_amax[k] = warp_max(r_hi[k]);
     }
 #pragma unroll
     for (int k = 0; k < N; ++k) {
@@ -802,7 +822,7 @@ struct BlockwiseAdam : cuda::OpBase {
       uint32_t mw[kWords<C>];
       uint32_t vw[kWords<C>];
       encode<true>(mf[k], mc, mw, ctx);
-      encode<false>(vf[k], vc, vw, ctx);
+      encode<false>(rf[k], vc, vw, ctx);
       store<C>(meta, kM, parts[k], first, mw, n, whole && vec, vec);
       store<C>(meta, kV, parts[k], first, vw, n, whole && vec, vec);
       if (ctx.lane == 0) {
