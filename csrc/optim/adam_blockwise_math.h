@@ -52,7 +52,8 @@ struct Int8 {
   static SHARDOPT_HD float decode_v(code_t c, float s, const codec::Int8Tables* t) {
     return codec::v_of_root(decode(c, s, t));
   }
-  static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s, const codec::Int8Tables* t) {
+  static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s,
+                                        const codec::Int8Tables* t) {
     return codec::int8_code(s.finite ? codec::floor_positive(r, r * s.inv, t->map[1]) : 0.f, *t);
   }
 };

@@ -139,10 +139,10 @@ SHARDOPT_HD Scale int8_scale(uint32_t amax) {
 //
 // fp16, scaled_fp16 and int8 keep v as its root r = sqrt(v), correctly rounded, and decode
 // v = r * r: r has m's dynamic range, where v's own (fp16's; relative to the block amax in the
-// blockwise formats) underflowed where m did not, and the update became m / eps. A block's scale is
-// that of its roots. A positive stored value (v in bf16, r elsewhere) never takes a zero code: below
-// the smallest positive code value it takes that value (floor_positive; state_codec.py's Note:
-// compact state formats). fp32 and bf16 keep v.
+// blockwise formats) underflowed where m did not, and the update became m / eps. A block's scale
+// is that of its roots. A positive stored value (v in bf16, r elsewhere) never takes a zero code:
+// below the smallest positive code value it takes that value (floor_positive; state_codec.py's
+// Note: compact state formats). fp32 and bf16 keep v.
 constexpr float kHalfTiny = 0x1p-24f;   // the smallest positive fp16 (fp16 and scaled_fp16 codes)
 constexpr float kBf16Tiny = 0x1p-133f;  // the smallest positive bf16
 
