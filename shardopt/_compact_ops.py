@@ -47,8 +47,9 @@ def adam_compact(
             ``state_codec.join_master(param, remainder)``, written back split); or bf16/fp16 with
             ``remainders`` empty (the param is the master, stored rounded to nearest even).
             exp_avg / exp_avg_sq: codes of ``state_format`` (m with the signed map, v with the
-            unsigned one). The scale lists: one fp32 tensor of ``state_codec.num_blocks(numel)``
-            elements per param for scaled_fp16 and int8, else empty.
+            unsigned one, as its root in ``state_codec.ROOT_FORMATS``). The scale lists: one
+            fp32 tensor of ``state_codec.num_blocks(numel)`` elements per param for scaled_fp16
+            and int8, else empty.
         lr, beta1, beta2, eps, step, adam_w_mode, bias_correction, weight_decay: as ``adam``.
         state_format: one of ``state_codec.FORMATS``.
         lr_t, step_t, grad_scale_t, found_inf_t: optional 1-element fp32 device scalars, as

@@ -29,9 +29,23 @@ Note: compact state formats
   and every code the index of 0.0, so the whole block decodes to NaN (divergence stays visible).
   Otherwise ``scale = amax``, ``xn = x * (1.0f / amax)`` (fp32), and ``code`` is the number of
   ``j`` in [0, 255) with ``mid[j] < xn``, ``mid[j] = (map[j] + map[j + 1]) * 0.5f`` in fp32 (a tie
-  goes to the lower code; a negative ``v`` clamps to 0). ``decode = map[code] * scale``.
+  goes to the lower code). ``decode = map[code] * scale``.
 - Zeros encode to codes that decode to exact zeros in every format (block padding stays 0), except
   in an int8 block that holds a non-finite value.
+- The second moment ``v`` (``signed=False``): fp16, scaled_fp16 and int8 (``ROOT_FORMATS``) keep
+  its root ``r = sqrt(v)`` (correctly rounded) and decode ``v = r * r`` (fp32); r has the
+  dynamic range of ``m`` (``|m| <= c * r`` in exact Adam: c = 7.3 at betas (0.9, 0.999)), where
+  v's own range (fp16's; int8's and scaled_fp16's relative to the block amax) holds only half
+  its decades: v underflowed where m did not and the update became ``m / eps``. A block's scale
+  is that of its roots. In every compact format a positive stored value (``v`` in bf16, ``r``
+  elsewhere) never encodes to a zero code: below the smallest positive code value (``2^-133`` in
+  bf16, ``2^-24`` in fp16 and scaled_fp16 after the scale, ``map[1]`` of the unsigned int8 map
+  after the scale) it takes that value; so a positive v never decodes to 0 (except where the
+  fp32 square of its decoded root underflows, below 2^-149, where ``m / eps`` is negligible). A
+  negative v (not an Adam state) has a NaN root: it decodes to NaN, as its fp32 update would.
+  bf16 keeps ``v`` itself: its range is fp32's. ``VERSION`` 2; version 1 kept ``v`` in every
+  format. Checkpoints and state dicts hold decoded fp32 values, so those of any version load
+  into any format (re-encoded on load).
 
 Example:
     >>> codes, scales = encode(torch.randn(1000), "int8", signed=True)
@@ -48,6 +62,8 @@ import torch
 __all__ = [
     "BLOCK",
     "FORMATS",
+    "ROOT_FORMATS",
+    "VERSION",
     "bytes_per_element",
     "code_dtype",
     "decode",
@@ -57,6 +73,7 @@ __all__ = [
     "num_blocks",
     "quantization_map",
     "split_master",
+    "stores_root",
     "zero_code",
 ]
 
@@ -64,6 +81,10 @@ Tensor = torch.Tensor
 
 BLOCK = 256
 FORMATS = ("fp32", "bf16", "fp16", "scaled_fp16", "int8")
+#: the formats that keep the second moment as its root (see Note: compact state formats)
+ROOT_FORMATS = ("fp16", "scaled_fp16", "int8")
+#: the version of the encoding: 2 keeps the root of v in ROOT_FORMATS (1 kept v)
+VERSION = 2
 
 _CODE_DTYPES = {
     "fp32": torch.float32,
@@ -76,6 +97,8 @@ _ABS_MASK = 0x7FFFFFFF
 _INF_BITS = 0x7F800000
 _NAN_BITS = 0x7FC00000
 _MIN_NORMAL_BITS = 0x00800000  # 2^-126
+# the smallest positive code value of a stored v (bf16) or root (fp16 and scaled_fp16 codes)
+_TINY = {"bf16": 2.0**-133, "fp16": 2.0**-24, "scaled_fp16": 2.0**-24}
 
 
 def _check_format(fmt: str) -> None:
@@ -249,13 +272,33 @@ def _amax_bits(blocks: Tensor) -> Tensor:
     return (blocks.view(torch.int32) & _ABS_MASK).amax(dim=1).to(torch.int64)
 
 
+def _root(v: Tensor) -> Tensor:
+    """The correctly rounded fp32 square root (torch's CPU fp32 sqrt is not; a double's sqrt
+    rounded to fp32 is, as 53 >= 2 * 24 + 2)."""
+    return torch.sqrt(v.double()).float()
+
+
+def _floor_positive(q: Tensor, x: Tensor, tiny: float | Tensor) -> Tensor:
+    """``x`` (q scaled) raised to ``tiny`` where the stored value ``q`` is positive: a positive v
+    never gets a zero code."""
+    return torch.where((q > 0) & (x < tiny), tiny, x)
+
+
+def stores_root(fmt: str, signed: bool) -> bool:
+    """Whether state of format ``fmt`` keeps its root: the second moment (``signed=False``) in
+    ``ROOT_FORMATS``."""
+    _check_format(fmt)
+    return not signed and fmt in ROOT_FORMATS
+
+
 def encode(x: Tensor, fmt: str, *, signed: bool) -> tuple[Tensor, Tensor | None]:
     """Encodes fp32 values in format ``fmt`` (see Note: compact state formats).
 
     Args:
         x: 1-D fp32 tensor (a flat shard of ``m`` or ``v``).
         fmt: one of ``FORMATS``.
-        signed: the int8 map to use: True for ``m``, False for ``v``.
+        signed: True for ``m``; False for the second moment ``v`` (the unsigned int8 map, its
+            root in ``ROOT_FORMATS``, never a zero code for a positive value).
 
     Returns:
         ``(codes, scales)``: codes of ``code_dtype(fmt)`` and ``x``'s length; scales a fp32 tensor
@@ -267,7 +310,12 @@ def encode(x: Tensor, fmt: str, *, signed: bool) -> tuple[Tensor, Tensor | None]
     _check_format(fmt)
     _check_dtype(x, torch.float32, "encode: x")
     _check_flat(x, "encode: x")
+    second = not signed and fmt != "fp32"
+    if stores_root(fmt, signed):
+        x = _root(x)
     if not has_scales(fmt):
+        if second:
+            x = _floor_positive(x, x, _TINY[fmt])
         return x.to(_CODE_DTYPES[fmt]), None
     n = x.numel()
     blocks = _blocks(x)
@@ -277,7 +325,10 @@ def encode(x: Tensor, fmt: str, *, signed: bool) -> tuple[Tensor, Tensor | None]
         special = (amax == 0) | (amax >= _INF_BITS)
         scale_bits = torch.where(special, 127, exponent) << 23
         inv = _from_bits((254 << 23) - scale_bits)  # 1 / s exactly: biased exponent 254 - e
-        codes = (blocks * inv[:, None]).to(torch.float16)
+        scaled = blocks * inv[:, None]
+        if second:
+            scaled = _floor_positive(blocks, scaled, _TINY[fmt])
+        codes = scaled.to(torch.float16)
         return codes.view(-1)[:n], _from_bits(scale_bits)
     mids = _cached_mids(bool(signed), x.device)
     scale = torch.where(amax < _MIN_NORMAL_BITS, 0, amax)
@@ -286,6 +337,8 @@ def encode(x: Tensor, fmt: str, *, signed: bool) -> tuple[Tensor, Tensor | None]
     normal = (amax >= _MIN_NORMAL_BITS) & (amax < _INF_BITS)
     inv = torch.where(normal, 1.0 / torch.where(normal, scale, 1.0), 0.0)
     xn = blocks * inv[:, None]
+    if second:
+        xn = _floor_positive(blocks, xn, quantization_map(False, x.device)[1])
     codes = torch.searchsorted(mids, xn.contiguous())
     codes = torch.where(normal[:, None], codes, zero_code(signed))
     return codes.to(torch.uint8).view(-1)[:n], scale
@@ -298,7 +351,8 @@ def decode(codes: Tensor, scales: Tensor | None, fmt: str, *, signed: bool) -> T
         codes: 1-D tensor of ``code_dtype(fmt)``.
         scales: fp32 tensor of ``num_blocks(len(codes))`` elements (blockwise formats), else None.
         fmt: one of ``FORMATS``.
-        signed: the int8 map: True for ``m``, False for ``v``.
+        signed: True for ``m``; False for the second moment ``v`` (squared from its root in
+            ``ROOT_FORMATS``).
 
     Raises:
         TypeError: wrong dtypes. ValueError: unknown format, wrong shapes or a missing or
@@ -310,18 +364,20 @@ def decode(codes: Tensor, scales: Tensor | None, fmt: str, *, signed: bool) -> T
     if not has_scales(fmt):
         if scales is not None:
             raise ValueError(f"decode: format {fmt} has no scales, got a scales tensor")
-        return codes.to(torch.float32)
-    if scales is None:
-        raise ValueError(f"decode: format {fmt} needs its per-block scales")
-    _check_dtype(scales, torch.float32, "decode: scales")
-    n = codes.numel()
-    if scales.numel() != num_blocks(n):
-        raise ValueError(
-            f"decode: {n} codes need {num_blocks(n)} scales (one per {BLOCK} elements), got "
-            f"{scales.numel()}"
-        )
-    per_element = scales.reshape(-1).repeat_interleave(BLOCK)[:n]
-    if fmt == "scaled_fp16":
-        return codes.to(torch.float32) * per_element
-    values = quantization_map(signed, codes.device)[codes.to(torch.int64)]
-    return values * per_element
+        values = codes.to(torch.float32)
+    else:
+        if scales is None:
+            raise ValueError(f"decode: format {fmt} needs its per-block scales")
+        _check_dtype(scales, torch.float32, "decode: scales")
+        n = codes.numel()
+        if scales.numel() != num_blocks(n):
+            raise ValueError(
+                f"decode: {n} codes need {num_blocks(n)} scales (one per {BLOCK} elements), got "
+                f"{scales.numel()}"
+            )
+        per_element = scales.reshape(-1).repeat_interleave(BLOCK)[:n]
+        if fmt == "scaled_fp16":
+            values = codes.to(torch.float32) * per_element
+        else:
+            values = quantization_map(signed, codes.device)[codes.to(torch.int64)] * per_element
+    return values * values if stores_root(fmt, signed) else values

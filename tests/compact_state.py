@@ -94,12 +94,36 @@ class Compact:
             )
         return out
 
+    def zero(self):
+        """Zero masters and moments (a fresh optimizer over zero-initialised params)."""
+        for t in self.params + self.remainders:
+            t.zero_()
+        for codes, scales, signed in (
+            (self.exp_avg, self.exp_avg_scales, True),
+            (self.exp_avg_sq, self.exp_avg_sq_scales, False),
+        ):
+            for i, c in enumerate(codes):
+                zc, zs = sc.encode(torch.zeros(c.numel()), self.fmt, signed=signed)
+                c.copy_(zc)
+                if zs is not None:
+                    scales[i].copy_(zs)
+        return self
+
     def snapshot(self):
         return [t.clone() for lst in self.lists([]) for t in lst]
 
 
 def code_step(codes, scales, fmt, signed):
-    """Per element, one code step of stored moments: the error allowed against a reference."""
+    """Per element, one code step of stored moments: the error allowed against a reference (of v
+    from its root's code step ``s`` in the root formats: ``(r + s)^2 - r^2``)."""
+    step = _stored_step(codes, scales, fmt, signed)
+    if not sc.stores_root(fmt, signed):
+        return step
+    root = sc.decode(codes, scales, fmt, signed=False).sqrt()
+    return step * (2 * root + step)
+
+
+def _stored_step(codes, scales, fmt, signed):
     if fmt in ("bf16", "fp16", "scaled_fp16"):
         up = (codes.view(torch.int16) + 1).view(codes.dtype).float()
         step = (up - codes.float()).abs()

@@ -104,6 +104,71 @@ def test_options_match_the_reference(options, fmt, device):
         _assert_step_matches_reference(state, grads, hyper, step)
 
 
+REGIME = dict(
+    lr=1e-3,
+    beta1=0.9,
+    beta2=0.999,
+    eps=1e-8,
+    adam_w_mode=True,
+    bias_correction=True,
+    weight_decay=0.0,
+)
+REGIME_SIZES = [1000, 300]
+
+
+def _regime_grads(sizes, small, step, device):
+    """Step 1: grads ``small`` with 1.0 at every 97th element (several blocks hold one), then
+    zero grads (unused embedding rows, masked features, dead units)."""
+    grads = []
+    for n in sizes:
+        g = torch.full((n,), small if step == 1 else 0.0)
+        if step == 1:
+            g[::97] = 1.0
+        grads.append(g.to(device))
+    return grads
+
+
+def _regime_movement(master, fmt, small, device, steps=10):
+    """How far each param moves from 0 over the regime: the kernel (``fmt``) or, for
+    ``fmt=None``, the fp64 reference (fp32-state Adam without rounding)."""
+    if fmt is None:
+        ps = [torch.zeros(n, dtype=torch.float64) for n in REGIME_SIZES]
+        ms = [torch.zeros_like(p) for p in ps]
+        vs = [torch.zeros_like(p) for p in ps]
+        h = REGIME
+        for step in range(1, steps + 1):
+            for p, g, m, v in zip(ps, _regime_grads(REGIME_SIZES, small, step, "cpu"), ms, vs):
+                reference.adam_update(
+                    p, g.double(), m, v, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"],
+                    eps=h["eps"], weight_decay=0.0, adam_w_mode=True,
+                    bc1=1 - h["beta1"] ** step, bc2=1 - h["beta2"] ** step,
+                )  # fmt: skip
+        return [p.abs() for p in ps]
+    state = Compact(REGIME_SIZES, master, fmt, device).zero()
+    for step in range(1, steps + 1):
+        grads = _regime_grads(REGIME_SIZES, small, step, device)
+        _compact_ops.adam_compact(state.lists(grads), step=step, state_format=fmt, **REGIME)
+    return [p.double().abs().cpu() for p in state.masters()]
+
+
+@pytest.mark.parametrize("small", [1e-3, 1e-4, 1e-5])
+@pytest.mark.parametrize("fmt", sc.FORMATS)
+@pytest.mark.parametrize("master", MASTERS)
+def test_zero_grads_after_small_grads_move_as_fp32_state(master, fmt, small, device):
+    """One step of small grads (1.0 here and there), then 9 zero-grad steps at lr 1e-3: every
+    format moves every param within a factor 2 of fp32-state Adam (v kept as v in fp16 or int8
+    underflowed where m did not: the update became m / eps, 158.7 instead of 0.0042)."""
+    want = _regime_movement(master, None, small, device)
+    got = _regime_movement(master, fmt, small, device)
+    for i, (w, g) in enumerate(zip(want, got)):
+        ratio = g / w
+        assert (w > 1e-3).all()
+        assert (ratio >= 0.5).all() and (ratio <= 2.0).all(), (
+            f"tensor {i}: moved {g.min().item():.3g}..{g.max().item():.3g}, fp32 state "
+            f"{w.min().item():.3g}..{w.max().item():.3g}"
+        )
+
+
 @pytest.mark.parametrize("grad_dtype", GRADS)
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_fp32_state_with_remainders_is_bit_identical_to_adam_with_a_bf16_out(

@@ -10,6 +10,10 @@ shardopt/zero/state_storage.py).
 - Checkpoints: saved at world 2 as fp32 values, resumed at world 3 bit-identical to the
   uninterrupted run; consolidated into torch AdamW and imported back from it.
 - ``memory_bytes()`` follows the formula in docs/api.md for every combination.
+- Zero grads after small grads (unused rows, masked features): every format and master kind moves
+  the params within a factor 2 of fp32-state AdamW (v is kept as its root: docs/spec.md).
+- State saved in the encoding of version 1 (v itself in every format), as a state dict and as a
+  sharded checkpoint, loads into every format converted: the values re-encoded, training goes on.
 """
 
 from __future__ import annotations
@@ -40,6 +44,15 @@ CONFIGS = {
     "int8_bf16_masters": (BF16, dict(state_format="int8")),
     "remainders_int8": (BF16, dict(store_param_remainders=True, state_format="int8")),
 }
+#: CONFIGS and the 16-bit formats with every master kind
+FORMAT_CONFIGS = dict(
+    CONFIGS,
+    bf16_fp32_params=(torch.float32, dict(state_format="bf16")),
+    fp16_state=(torch.float32, dict(dtype=torch.float16)),
+    fp16_params_fp16_state=(torch.float16, dict(dtype=torch.float16)),
+    fp16_bf16_masters=(BF16, dict(state_format="fp16")),
+    remainders_fp16=(BF16, dict(store_param_remainders=True, state_format="fp16")),
+)
 
 
 def _model(dtype=torch.float32, seed=0):
@@ -265,6 +278,126 @@ def refusals(rank, world):
             )
 
 
+def _regime_opt(model, **kw):
+    return shardopt.DistributedFusedAdam(
+        model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+        average_grad_sync=False, **kw,
+    )  # fmt: skip
+
+
+def _regime_run(dtype, kw, small, rank):
+    """Params from 0: one step of grads ``small`` (1.0 at every 97th element), 9 of zero grads
+    (rank 0's grads only, so the sums are exact); returns |params| (their movement)."""
+    model = _model(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = _regime_opt(model, **kw)
+    for step in range(10):
+        grads = []
+        for p in model.parameters():
+            g = torch.full((p.numel(),), small if step == 0 else 0.0)
+            if step == 0:
+                g[::97] = 1.0
+            grads.append(g.view(p.shape).to(dtype))
+        _linear_backward(model, grads, 1.0 if rank == 0 else 0.0)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().double().abs() for p in model.parameters()]
+
+
+def zero_grads_after_small_grads(rank, world):
+    """Every format and master kind moves the params within a factor 2 of fp32 state (v kept as
+    v in fp16 or int8 underflowed where m did not: the params moved to 158.7 and 14.1 instead of
+    0.0042)."""
+    for small in (1e-3, 1e-4):
+        for name, (dtype, kw) in FORMAT_CONFIGS.items():
+            want = _regime_run(dtype, {}, small, rank)
+            got = _regime_run(dtype, kw, small, rank)
+            for i, (w, g) in enumerate(zip(want, got)):
+                assert (w > 1e-3).all(), (name, small, i)
+                ratio = g / w
+                assert ((ratio >= 0.5) & (ratio <= 2.0)).all(), (
+                    f"{name}, grads {small}, param {i}: moved {g.min().item():.3g}.."
+                    f"{g.max().item():.3g}, fp32 state {w.min().item():.3g}..{w.max().item():.3g}"
+                )
+
+
+def _v1_round_trip(v, fmt):
+    """The fp32 values a version-1 optimizer held for a flat v: v itself encoded (no root, no
+    floor), as state_codec did before version 2 (blocks from element 0 of each param: params
+    start on blocks)."""
+    if fmt == "fp32":
+        return v.clone()
+    if fmt in ("bf16", "fp16", "scaled_fp16"):  # version 1 encoded v as it encodes m
+        return state_codec.decode(*state_codec.encode(v, fmt, signed=True), fmt, signed=True)
+    n = v.numel()  # int8: the unsigned map on v / amax
+    blocks = torch.nn.functional.pad(v, (0, state_codec.num_blocks(n) * 256 - n)).view(-1, 256)
+    amax = blocks.abs().amax(1)
+    normal = amax >= 2.0**-126
+    inv = torch.where(normal, 1.0 / torch.where(normal, amax, 1.0), 0.0)
+    values = state_codec.quantization_map(False)
+    mids = (values[:-1] + values[1:]) * 0.5
+    codes = torch.searchsorted(mids, (blocks * inv[:, None]).contiguous())
+    scale = torch.where(normal, amax, 0.0)
+    return (values[codes] * scale[:, None]).view(-1)[:n]
+
+
+def _v1_state_dict(dtype, kw, rank, world):
+    """A state dict as a version-1 optimizer of storage ``kw`` saved it after 3 steps: m as
+    today (its encoding did not change), v encoded by the version-1 rule."""
+    fmt = _regime_opt(_model(dtype), **kw).storage.state_format
+    model = _model(dtype)
+    src = _opt(model)
+    _run_for_checkpoint(model, src, range(3), rank)
+    sd = src.state_dict()
+    for entry in sd["state"].values():
+        m, v = entry["exp_avg"], entry["exp_avg_sq"]
+        entry["exp_avg"] = state_codec.decode(
+            *state_codec.encode(m.reshape(-1), fmt, signed=True), fmt, signed=True
+        ).view(m.shape)
+        entry["exp_avg_sq"] = _v1_round_trip(v.reshape(-1), fmt).view(v.shape)
+    return model, sd, fmt
+
+
+def loads_version_1_state(rank, world):
+    """Version-1 state (v encoded as v) as a state dict and as a sharded checkpoint loads into
+    every format: the optimizer holds the values re-encoded (v as its root), both loads give the
+    same state and the same training."""
+    for name, (dtype, kw) in FORMAT_CONFIGS.items():
+        model, sd, fmt = _v1_state_dict(dtype, kw, rank, world)
+        # the checkpoint a version-1 run wrote: fp32 values (an fp32-state optimizer holds them)
+        holder_model = _model(dtype)
+        holder_model.load_state_dict(model.state_dict())
+        holder = _opt(holder_model)
+        holder.load_state_dict(sd)
+        path = Path(os.environ[ROOT]) / f"v1-{name}"
+        checkpoint.save(path, holder, holder_model, overwrite=True)
+        loaded = {}
+        for how in ("state_dict", "checkpoint"):
+            m = _model(dtype)
+            m.load_state_dict(model.state_dict())
+            opt = _opt(m, **kw)
+            if how == "state_dict":
+                opt.load_state_dict(sd)
+            else:
+                checkpoint.load(path, opt, m)
+            back = opt.state_dict()
+            for i, entry in sd["state"].items():
+                for k, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                    flat = entry[k].reshape(-1)
+                    want = state_codec.decode(
+                        *state_codec.encode(flat, fmt, signed=signed), fmt, signed=signed
+                    )
+                    assert torch.equal(back["state"][i][k].reshape(-1), want), (name, how, i, k)
+            _run_for_checkpoint(m, opt, range(3, 5), rank)
+            loaded[how] = [p.detach().clone() for p in m.parameters()]
+            for p in m.parameters():
+                assert torch.isfinite(p).all() and p.abs().max() < 10, (name, how)
+        for a, b in zip(loaded["state_dict"], loaded["checkpoint"]):
+            assert torch.equal(_bits(a), _bits(b)), name
+
+
 PLAN = [
     (
         2,
@@ -276,9 +409,21 @@ PLAN = [
             memory_follows_formula,
             writes_reset_remainders,
             refusals,
+            zero_grads_after_small_grads,
+            loads_version_1_state,
         ],
     ),  # fmt: skip
-    (3, [shards_exactly, resume_w3, consolidates_to_adamw, memory_follows_formula]),
+    (
+        3,
+        [
+            shards_exactly,
+            resume_w3,
+            consolidates_to_adamw,
+            memory_follows_formula,
+            zero_grads_after_small_grads,
+            loads_version_1_state,
+        ],
+    ),
 ]
 
 

@@ -156,6 +156,10 @@ def _values(n, seed=0):
     return x
 
 
+def _root(x):
+    return torch.sqrt(x.double()).float()  # correctly rounded
+
+
 def _block_amax(x):
     n = x.numel()
     padded = torch.nn.functional.pad(x.abs(), (0, sc.num_blocks(n) * 256 - n))
@@ -186,12 +190,15 @@ def test_scaled_fp16_error_and_scales():
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_int8_error_is_at_most_half_the_local_map_spacing(signed):
+    """m's error, and that of v's root (the stored value), relative to the block amax."""
     x = _values(256 * 40 + 77, seed=int(signed))
     if not signed:
         x = x.abs()
     codes, scales = sc.encode(x, "int8", signed=signed)
     assert codes.dtype == torch.uint8 and scales.shape == (41,)
     y = sc.decode(codes, scales, "int8", signed=signed)
+    if not signed:
+        x, y = _root(x), _root(y)
     values = sc.quantization_map(signed)
     padded = torch.cat([values[:1], values, values[-1:]])
     half_gap = torch.maximum(padded[1:-1] - padded[:-2], padded[2:] - padded[1:-1]) / 2
@@ -210,11 +217,16 @@ def test_int8_codes_count_the_midpoints_below(signed):
         [torch.tensor([1.0]), mids[::3], torch.rand(100) * (2 if signed else 1) - int(signed)]
     )
     x = x[:256]
-    codes, scales = sc.encode(x, "int8", signed=signed)
+    # v: the rule on its root x (sqrt(fl(x * x)) == x), a positive one never takes the zero code
+    codes, scales = sc.encode(x if signed else x * x, "int8", signed=signed)
     xn = x * (1.0 / scales[0])
     want = (mids[None, :] < xn[:, None]).sum(1)
+    if not signed:
+        want = torch.where(x > 0, want.clamp(min=1), want)
     assert torch.equal(codes.long(), want)
-    assert codes[1].item() == 0  # x == mids[0]: the tie goes to the lower code
+    # x == mids[0]: the tie goes to the lower code (0.0), but for v, whose positive values
+    # never decode to 0: code 1
+    assert codes[1].item() == (0 if signed else 1)
 
 
 @pytest.mark.parametrize("fmt", BLOCKWISE)
@@ -272,12 +284,17 @@ def test_subnormal_blocks():
     x = torch.zeros(512)
     x[:256] = 1e-40
     x[3] = 0.0
-    codes, scales = sc.encode(x, "int8", signed=False)
-    assert scales[0].item() == 0.0 and (sc.decode(codes, scales, "int8", signed=False) == 0).all()
-    codes, scales = sc.encode(x, "scaled_fp16", signed=False)
+    codes, scales = sc.encode(x, "int8", signed=True)
+    assert scales[0].item() == 0.0 and (sc.decode(codes, scales, "int8", signed=True) == 0).all()
+    codes, scales = sc.encode(x, "scaled_fp16", signed=True)
     assert scales[0].item() == 2.0**-126
-    y = sc.decode(codes, scales, "scaled_fp16", signed=False)
+    y = sc.decode(codes, scales, "scaled_fp16", signed=True)
     assert ((y - x).abs() <= x * 2.0**-11).all() and y[3] == 0
+    # a subnormal v has a normal root (1e-20): its block is an ordinary one, and v stays positive
+    for fmt in sc.ROOT_FORMATS:
+        codes, scales = sc.encode(x, fmt, signed=False)
+        y = sc.decode(codes, scales, fmt, signed=False)
+        assert (y[:256] > 0).sum() == 255 and y[3] == 0 and (y[256:] == 0).all(), fmt
 
 
 @pytest.mark.parametrize(
@@ -323,3 +340,60 @@ def test_subnormal_blocks():
 def test_bad_input_raises(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_which_formats_keep_the_root_of_v():
+    assert sc.VERSION == 2 and sc.ROOT_FORMATS == ("fp16", "scaled_fp16", "int8")
+    assert [sc.stores_root(f, False) for f in sc.FORMATS] == [False, False, True, True, True]
+    assert not any(sc.stores_root(f, True) for f in sc.FORMATS)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "scaled_fp16"])
+def test_v_is_kept_as_its_root(fmt):
+    """The codes of v are those of its correctly rounded root (encoded as m would be, where the
+    root is not below the smallest positive code); v decodes as the decoded root squared."""
+    v = _values(256 * 8 + 9, seed=4).abs() + 1e-3
+    codes, scales = sc.encode(v, fmt, signed=False)
+    root_codes, root_scales = sc.encode(_root(v), fmt, signed=True)
+    assert torch.equal(codes, root_codes)
+    assert (scales is None and root_scales is None) or torch.equal(scales, root_scales)
+    r = sc.decode(codes, scales, fmt, signed=True)
+    assert torch.equal(sc.decode(codes, scales, fmt, signed=False), r * r)
+
+
+def _decades_per_block(blocks, top, seed, span=40):
+    """Per block an amax 10^top[b] and values down to ``span`` decades below it (zeros
+    included)."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.tensor(top, dtype=torch.float64).repeat_interleave(256)
+    x = 10.0 ** (amax - torch.rand(blocks * 256, generator=g, dtype=torch.float64) * span)
+    x[::256] = 10.0 ** amax[::256]
+    x = x.float()
+    x[7::50] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("fmt", sc.FORMATS[1:])
+def test_a_positive_v_never_decodes_to_zero(fmt):
+    v = _decades_per_block(4, [6, 0, -6, -12], seed=5)
+    assert (v > 0).sum() > 900 and (v[v > 0] < 1e-38).any()  # subnormal v included
+    y = sc.decode(*sc.encode(v, fmt, signed=False), fmt, signed=False)
+    assert torch.equal(y > 0, v > 0)
+
+
+@pytest.mark.parametrize("fmt", sc.FORMATS)
+def test_where_m_decodes_nonzero_v_does_too(fmt):
+    """Adam's moments after one step of grads over 12 decades per block (m = 0.1 g, v = 1e-3 g^2,
+    m / sqrt(v) = 3.16; v >= 1e-39 is positive in fp32): wherever m decodes nonzero, the decoded
+    m / sqrt(v) stays within a factor 2 of that (v kept as v underflowed first: the update
+    became m / eps)."""
+    g = _decades_per_block(4, [0, -2, -4, -6], seed=6, span=12)
+    g[::3] *= -1
+    m, v = 0.1 * g, 1e-3 * g * g
+    dm = sc.decode(*sc.encode(m, fmt, signed=True), fmt, signed=True).double()
+    dv = sc.decode(*sc.encode(v, fmt, signed=False), fmt, signed=False).double()
+    live = dm != 0
+    assert live.sum() > 100 and (dv[live] > 0).all()
+    ratio = dm[live].abs() / dv[live].sqrt()
+    true_ratio = 0.1 / math.sqrt(1e-3)
+    assert (ratio <= 2 * true_ratio).all(), ratio.max().item()

@@ -1,6 +1,6 @@
 // Adam over blockwise compact state (scaled_fp16, int8) on CPU tensors: at::parallel_for over
 // (tensor, chunk) work items of whole blocks; per block the tile phases of adam_compact_math.h
-// with a decode before the update and, after it, a max reduction and an encode.
+// with a decode before the update and, after it, v's root, a max reduction and an encode.
 #include <algorithm>
 #include <memory>
 
@@ -65,10 +65,12 @@ void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
 #pragma omp simd
       for (int j = 0; j < n; ++j) {
         t.m[j] = Fmt::decode(mk[b0 + j], m_scale, tml);
-        t.v[j] = Fmt::decode(vk[b0 + j], v_scale, tvl);
+        t.v[j] = Fmt::decode_v(vk[b0 + j], v_scale, tvl);
       }
       update_tile(t, n, gs, h);
       store_master<M>(t, p[k], rk, b0, n);
+#pragma omp simd
+      for (int j = 0; j < n; ++j) t.v[j] = codec::v_root(t.v[j]);  // v is stored as its root
       uint32_t m_amax = 0;
       uint32_t v_amax = 0;
 #pragma omp simd reduction(max : m_amax, v_amax)
@@ -81,7 +83,7 @@ void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
 #pragma omp simd
       for (int j = 0; j < n; ++j) mk[b0 + j] = Fmt::encode(t.m[j], mc, tml);
 #pragma omp simd
-      for (int j = 0; j < n; ++j) vk[b0 + j] = Fmt::encode(t.v[j], vc, tvl);
+      for (int j = 0; j < n; ++j) vk[b0 + j] = Fmt::encode_root(t.v[j], vc, tvl);
       ms[k][block] = mc.scale;
       vs[k][block] = vc.scale;
     }

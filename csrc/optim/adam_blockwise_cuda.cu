@@ -23,65 +23,33 @@
 // with the reciprocals of the bias corrections computed once: the same bits, without the branch
 // around each division that kept the 8 elements of a lane from overlapping. Elsewhere the plain
 // expression. The range check is an integer min and max of the bits of |m| and v per lane, which
-// the block amax needs anyway.
+// the block amax needs anyway. v is stored as its root (state_codec.h): decoded as r * r, and
+// after the update rooted by the same sqrt sequence where the lane's v are in range (else the
+// correctly rounded sqrt); a block's v scale is that of its roots.
 //
 // int8 codes: one shared-memory word per bucket of the sign-folded xn (state_codec.h,
 // int8_code_search): one lookup and one comparison (a borrow) per code; decoding reads the maps
 // from shared memory.
+//
+// Beside this file: adam_blockwise_lanes.cuh (a lane's registers and packed words),
+// adam_blockwise_codecs.cuh (the int8 tables and each format's lane decode and encode) and
+// adam_blockwise_launch.cuh (the tuning, Config and DefaultConfig, and the occupancy the grid is
+// sized from). This file: the copies, the Adam math and the op that walks the superblocks.
 #include <c10/cuda/CUDAException.h>
 #include <cuda_fp16.h>
-
-#include <array>
-#include <atomic>
 
 #include "../kernels.h"
 #include "../multi_tensor/cuda_elementwise.cuh"
 #include "../multi_tensor/dispatch.h"
+#include "adam_blockwise_codecs.cuh"
+#include "adam_blockwise_lanes.cuh"
+#include "adam_blockwise_launch.cuh"
 #include "adam_blockwise_math.h"
 
 namespace shardopt {
 namespace {
 
-using codec::kBlock;
-constexpr int kPerLane = kBlock / 32;
-static_assert(kPerLane == 8, "a warp holds one block, 8 elements per lane");
-static_assert(cuda::kChunkSize % kBlock == 0, "chunks must start on a block");
-constexpr int kBlocksPerChunk = static_cast<int>(cuda::kChunkSize / kBlock);
-static_assert(kBlocksPerChunk == 256, "a launch's block index is chunk * 256 + block");
-
-__constant__ uint32_t kSignedMapBits[256] = {SHARDOPT_SIGNED_MAP_BITS};
-__constant__ uint32_t kUnsignedMapBits[256] = {SHARDOPT_UNSIGNED_MAP_BITS};
-
-// Launch shape: kThreads threads (one thread block per SM; the register cap is 65536 / kThreads),
-// kBlocks 256-element blocks per superblock (one set of copies), kStages stages of loads per warp,
-// and how the launch's superblocks are dealt: kInterleave, warp w of the grid takes superblocks w,
-// w + warps, ... (the grid works on one region at a time); else each thread block takes a
-// contiguous range, its warps interleaved. Measured on an H200 (docs/benchmarks.md, "Compact state
-// formats"): 512 x 2 x 2 beat 768 x 1 x 2 and 1024 x 1 x 2 (more warps, one block per superblock),
-// and interleaving over the grid beat contiguous ranges by 0.4-2.6% of copy bandwidth.
-template <int Threads, int Blocks, int Stages, bool Interleave>
-struct Config {
-  static constexpr int kThreads = Threads;
-  static constexpr int kBlocks = Blocks;
-  static constexpr int kStages = Stages;
-  static constexpr bool kInterleave = Interleave;
-};
-// The build's configuration. A build may tune it with -DSHARDOPT_BLOCKWISE_THREADS=... (and
-// _BLOCKS, _STAGES, _INTERLEAVE; separate macros: nvcc splits -D values at commas).
-#ifndef SHARDOPT_BLOCKWISE_THREADS
-#define SHARDOPT_BLOCKWISE_THREADS 512
-#endif
-#ifndef SHARDOPT_BLOCKWISE_BLOCKS
-#define SHARDOPT_BLOCKWISE_BLOCKS 2
-#endif
-#ifndef SHARDOPT_BLOCKWISE_STAGES
-#define SHARDOPT_BLOCKWISE_STAGES 2
-#endif
-#ifndef SHARDOPT_BLOCKWISE_INTERLEAVE
-#define SHARDOPT_BLOCKWISE_INTERLEAVE 1
-#endif
-using DefaultConfig = Config<SHARDOPT_BLOCKWISE_THREADS, SHARDOPT_BLOCKWISE_BLOCKS,
-                             SHARDOPT_BLOCKWISE_STAGES, SHARDOPT_BLOCKWISE_INTERLEAVE != 0>;
+using namespace blockwise_cuda;  // this file's headers beside it: lanes, codecs, launch
 
 // ---- asynchronous copies and mbarriers (sm_90) ---------------------------------------------------
 
@@ -140,132 +108,6 @@ __device__ __forceinline__ void copy_small(uint32_t dst, const void* src) {
 // One arrival on bar once this thread's cp.async copies so far have landed (counted at init).
 __device__ __forceinline__ void copies_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-
-// ---- 8 elements of a lane ----------------------------------------------------------------------
-
-// 8 consecutive elements as 16-byte (or, for 1-byte codes, 8-byte) accesses.
-template <typename T>
-constexpr int kAccess = 16 / sizeof(T) < kPerLane ? 16 / sizeof(T) : kPerLane;
-
-template <typename T>
-__device__ __forceinline__ bool aligned8(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kAccess<T>) == 0;
-}
-
-// The vector accesses for a whole, aligned lane, else guarded scalar accesses.
-template <typename T>
-__device__ __forceinline__ void load_lane(const T* p, T (&v)[kPerLane], int count, bool vec) {
-  if (vec) {
-#pragma unroll
-    for (int q = 0; q < kPerLane; q += kAccess<T>) {
-      T w[kAccess<T>];
-      cuda::load_group<T, kAccess<T>>(p + q, w);
-#pragma unroll
-      for (int e = 0; e < kAccess<T>; ++e) v[q + e] = w[e];
-    }
-    return;
-  }
-#pragma unroll
-  for (int e = 0; e < kPerLane; ++e) v[e] = e < count ? p[e] : T{};
-}
-
-template <typename T>
-__device__ __forceinline__ void store_lane(T* p, const T (&v)[kPerLane], int count, bool vec) {
-  if (vec) {
-#pragma unroll
-    for (int q = 0; q < kPerLane; q += kAccess<T>) {
-      T w[kAccess<T>];
-#pragma unroll
-      for (int e = 0; e < kAccess<T>; ++e) w[e] = v[q + e];
-      cuda::store_group<T, kAccess<T>>(p + q, w);
-    }
-    return;
-  }
-#pragma unroll
-  for (int e = 0; e < kPerLane; ++e) {
-    if (e < count) p[e] = v[e];
-  }
-}
-
-__device__ __forceinline__ uint32_t warp_max(uint32_t x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(0xFFFFFFFFu, x);
-#else
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xFFFFFFFFu, x, o));
-  return x;
-#endif
-}
-
-// ---- a lane's 8 elements as packed 32-bit words -------------------------------------------------
-
-template <typename T>
-constexpr int kWords = kPerLane * static_cast<int>(sizeof(T)) / 4;  // 2 (1-byte) to 8 (4-byte)
-
-template <typename T, int N>
-__device__ __forceinline__ void to_words(const T (&v)[kPerLane], uint32_t (&w)[N]) {
-  static_assert(N == kWords<T>, "8 elements");
-  memcpy(&w, &v, sizeof(w));
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void from_words(const uint32_t (&w)[N], T (&v)[kPerLane]) {
-  static_assert(N == kWords<T>, "8 elements");
-  memcpy(&v, &w, sizeof(w));
-}
-
-// Element e (a compile-time index after unrolling) of 8 packed values of T, as float.
-template <typename T, int N>
-__device__ __forceinline__ float word_float(const uint32_t (&w)[N], int e) {
-  if constexpr (sizeof(T) == 4) {
-    return __uint_as_float(w[e]);
-  } else if constexpr (std::is_same_v<T, c10::Half>) {
-    const uint32_t x = w[e / 2];
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(e % 2 ? x >> 16 : x)));
-  } else {  // bf16 (or its bits)
-    const uint32_t x = w[e / 2];
-    return __uint_as_float(e % 2 ? x & 0xFFFF0000u : x << 16);
-  }
-}
-
-// Byte e of 8 packed bytes (one byte permute).
-__device__ __forceinline__ uint32_t word_byte(const uint32_t (&w)[2], int e) {
-  return __byte_perm(w[e / 4], 0u, 0x4440u | static_cast<uint32_t>(e % 4));
-}
-
-// 16-byte (8-byte for two words) shared or global accesses of a lane's words.
-template <int N>
-__device__ __forceinline__ void load_words(const void* p, uint32_t (&w)[N]) {
-  static_assert(N == 2 || N % 4 == 0, "8 or 16-byte accesses");
-  if constexpr (N == 2) {
-    const uint2 a = *reinterpret_cast<const uint2*>(p);
-    w[0] = a.x;
-    w[1] = a.y;
-  } else {
-#pragma unroll
-    for (int q = 0; q < N; q += 4) {
-      const uint4 a = reinterpret_cast<const uint4*>(p)[q / 4];
-      w[q] = a.x;
-      w[q + 1] = a.y;
-      w[q + 2] = a.z;
-      w[q + 3] = a.w;
-    }
-  }
-}
-
-template <int N>
-__device__ __forceinline__ void store_words(void* p, const uint32_t (&w)[N]) {
-  static_assert(N == 2 || N % 4 == 0, "8 or 16-byte accesses");
-  if constexpr (N == 2) {
-    cuda::store_group<uint32_t, 2>(static_cast<uint32_t*>(p), w);
-  } else {
-#pragma unroll
-    for (int q = 0; q < N; q += 4) {
-      const uint32_t a[4] = {w[q], w[q + 1], w[q + 2], w[q + 3]};
-      cuda::store_group<uint32_t, 4>(static_cast<uint32_t*>(p) + q, a);
-    }
-  }
 }
 
 // ---- the direction (m / bc1) / (sqrt(v / bc2) + eps) without the division subroutines ----------
@@ -349,40 +191,6 @@ static_assert(FastDirection::kMLo == ((127u - 60u) << 23) && FastDirection::kMHi
                   FastDirection::kVHi == ((127u + 60u) << 23),
               "the range bits are powers of two");
 
-// ---- int8 tables in shared memory --------------------------------------------------------------
-
-struct Int8Smem {
-  float map_m[256];
-  float map_v[256];
-  uint32_t words_m[codec::kSignedWords];    // the signed map's search (state_codec.h)
-  uint32_t words_v[codec::kUnsignedWords];  // the unsigned map's
-
-  __device__ void build() {
-    const int t = threadIdx.x;
-    const int n = blockDim.x;
-    for (int i = t; i < 256; i += n) {
-      map_m[i] = codec::float_of(kSignedMapBits[i]);
-      map_v[i] = codec::float_of(kUnsignedMapBits[i]);
-    }
-    __syncthreads();
-    for (int i = t; i < codec::kSignedWords + codec::kUnsignedWords; i += n) {
-      if (i < codec::kSignedWords) {
-        words_m[i] = codec::search_word(map_m, 127, true, i);
-      } else {
-        words_v[i - codec::kSignedWords] =
-            codec::search_word(map_v, 0, false, i - codec::kSignedWords);
-      }
-    }
-    __syncthreads();
-  }
-};
-
-constexpr size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
-// The kernel's dynamic shared memory (the int8 tables first, at a constant address: their
-// lookups take it as an immediate).
-extern __shared__ __align__(128) unsigned char g_smem[];
-
 // ---- the op -------------------------------------------------------------------------------------
 
 // A superblock of a warp: its launch entry (tensor), first element, elements (0: none; up to
@@ -409,6 +217,7 @@ struct BlockwiseAdam : cuda::OpBase {
   using P = std::conditional_t<kRem, uint16_t, typename Ty::param_t>;  // bf16 bits with a rem
   using C = typename Fmt::code_t;
   using Tables = Int8Smem;
+  using Codec = LaneCodec<Fmt>;
   // Slots of the traversal's lists: the compact lists without an empty remainders list.
   static constexpr int kG = 0, kP = 1, kR = 2, kM = kRem ? kR + 1 : kR, kV = kM + 1, kMs = kV + 1,
                        kVs = kMs + 1, kDepth = kVs + 1;
@@ -456,10 +265,6 @@ struct BlockwiseAdam : cuda::OpBase {
     FastDirection fast;
     int lane;
   };
-
-  static __device__ __forceinline__ const Tables& tables() {
-    return *reinterpret_cast<const Tables*>(g_smem);
-  }
 
   template <typename T, typename I>
   static __device__ __forceinline__ T* slot(const Meta& meta, int s, const I& it) {
@@ -607,16 +412,6 @@ struct BlockwiseAdam : cuda::OpBase {
     }
   }
 
-  __device__ __forceinline__ float decode(const uint32_t (&w)[kWords<C>], int e, float s,
-                                          bool is_signed, const Ctx& ctx) const {
-    if constexpr (kInt8) {
-      const uint32_t c = word_byte(w, e);
-      return (is_signed ? tables().map_m[c] : tables().map_v[c]) * s;
-    } else {
-      return word_float<C>(w, e) * s;
-    }
-  }
-
   // The fp32 master of element e.
   static __device__ __forceinline__ float master_of(const Raw& x, int e) {
     if constexpr (kRem) {  // join_master: (hi << 16) + the sign-extended lo
@@ -664,48 +459,6 @@ struct BlockwiseAdam : cuda::OpBase {
     }
   }
 
-  // int8: the code (low byte) of xn from a map's search table (state_codec.h).
-  static __device__ __forceinline__ uint32_t int8_code(float xn, const uint32_t* words,
-                                                       bool is_signed) {
-    const uint32_t x = is_signed ? codec::search_bits(xn) : __float_as_uint(xn);
-    const uint32_t w =
-        words[codec::search_index(x, is_signed ? codec::kSignedWords : codec::kUnsignedWords)];
-    // search_code's w + ((x << 16) > w) as the borrow of a 64-bit difference: a shift-and-subtract
-    // with carry out and two integer multiply-adds
-    const uint64_t d = static_cast<uint64_t>(w) - static_cast<uint64_t>(x << 16);
-    return w - static_cast<uint32_t>(d >> 32);
-  }
-
-  static __device__ __forceinline__ uint32_t pack_bytes(uint32_t a, uint32_t b, uint32_t c,
-                                                        uint32_t d) {
-    return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
-  }
-
-  // The codes of 8 values with their block's scale.
-  template <bool kSigned>
-  __device__ __forceinline__ void encode(const float (&x)[kPerLane], const codec::Scale& sc,
-                                         uint32_t (&w)[kWords<C>], const Ctx& ctx) const {
-    if constexpr (kInt8) {
-      if (sc.finite) {
-        const uint32_t* words = kSigned ? tables().words_m : tables().words_v;
-        uint32_t c[kPerLane];
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) c[e] = int8_code(x[e] * sc.inv, words, kSigned);
-        w[0] = pack_bytes(c[0], c[1], c[2], c[3]);
-        w[1] = pack_bytes(c[4], c[5], c[6], c[7]);
-      } else {  // a block holding inf or NaN: every code the zero code (a warp-uniform branch)
-        w[0] = w[1] = kSigned ? 0x7F7F7F7Fu : 0u;
-      }
-    } else {
-      // fp16 codes two at a time (cvt.rn.f16x2.f32: two cvt.rn.f16.f32, as c10::Half's).
-#pragma unroll
-      for (int e = 0; e < kPerLane; e += 2) {
-        const __half2 h2 = __floats2half2_rn(x[e] * sc.inv, x[e + 1] * sc.inv);
-        memcpy(&w[e / 2], &h2, 4);
-      }
-    }
-  }
-
   // N blocks from x, together (their elements interleave: more independent work per lane).
   // kFull: whole blocks whose arrays are 16-byte aligned (every lane holds 8 elements of each
   // and stores them as vectors); else one block (N = 1), partial or unaligned.
@@ -726,20 +479,19 @@ struct BlockwiseAdam : cuda::OpBase {
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
         master[k][e] = master_of(x[k], e);
-        mf[k][e] = decode(x[k].m, e, x[k].ms, true, ctx);
-        vf[k][e] = decode(x[k].v, e, x[k].vs, false, ctx);
+        mf[k][e] = Codec::decode(x[k].m, e, x[k].ms, true);
+        vf[k][e] = codec::v_of_root(Codec::decode(x[k].v, e, x[k].vs, false));
         adam::moments<float>(master[k][e], word_float<G>(x[k].g, e) * ctx.gs, mf[k][e], vf[k][e],
                              hl);
       }
     }
-    // Per block, the lane's max of |m| and of v as bits (the block amax); over all, their mins
-    // and maxes (the range check).
-    uint32_t m_hi[N], v_hi[N];
+    // Per block, the lane's max of |m| as bits (the block amax); over all, the mins and maxes of
+    // |m| and v (the range check).
+    uint32_t m_hi[N];
     uint32_t m_lo = 0xFFFFFFFFu, v_lo = 0xFFFFFFFFu, m_top = 0, v_top = 0;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       m_hi[k] = 0;
-      v_hi[k] = 0;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
         if (kFull || e < n) {
@@ -748,11 +500,25 @@ struct BlockwiseAdam : cuda::OpBase {
           m_lo = min(m_lo, a);
           m_hi[k] = max(m_hi[k], a);
           v_lo = min(v_lo, b);
-          v_hi[k] = max(v_hi[k], b);
+          v_top = max(v_top, b);
         }
       }
       m_top = max(m_top, m_hi[k]);
-      v_top = max(v_top, v_hi[k]);
+    }
+    // v is stored as its root (state_codec.h): sqrt_fast where every v of the lane is in
+    // FastDirection's range (inside that of the sqrt.rn sequence), else the correctly rounded
+    // sqrt; per block, the lane's max of |root| as bits (a negative v has a NaN root).
+    const bool root_fast = v_lo >= FastDirection::kVLo && v_top < FastDirection::kVHi;
+    float rf[N][kPerLane];
+    uint32_t r_hi[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      r_hi[k] = 0;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        rf[k][e] = root_fast ? sqrt_fast(vf[k][e]) : codec::v_root(vf[k][e]);
+        if (kFull || e < n) r_hi[k] = max(r_hi[k], codec::abs_bits(rf[k][e]));
+      }
     }
     float u[N][kPerLane];
     if (ctx.fast.ok && FastDirection::operands(m_lo, m_top, v_lo, v_top)) {
@@ -778,22 +544,11 @@ struct BlockwiseAdam : cuda::OpBase {
       store<P>(meta, kP, parts[k], first, pw, n, whole && vec, vec);
       if constexpr (kRem) store<int16_t>(meta, kR, parts[k], first, rw, n, whole && vec, vec);
     }
-    uint32_t m_amax[N], v_amax[N];
+    uint32_t m_amax[N], v_amax[N];  // v_amax: of the roots
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       m_amax[k] = warp_max(m_hi[k]);
-      v_amax[k] = warp_max(v_hi[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      if (v_amax[k] > codec::kAbsMask) {  // a v with its sign bit set: the amax of |v| (uniform)
-        uint32_t a = 0;
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) {
-          if (kFull || e < n) a = max(a, codec::abs_bits(vf[k][e]));
-        }
-        v_amax[k] = warp_max(a);
-      }
+      v_amax[k] = warp_max(r_hi[k]);
     }
 #pragma unroll
     for (int k = 0; k < N; ++k) {
@@ -801,8 +556,8 @@ struct BlockwiseAdam : cuda::OpBase {
       const codec::Scale vc = Fmt::scale(v_amax[k]);
       uint32_t mw[kWords<C>];
       uint32_t vw[kWords<C>];
-      encode<true>(mf[k], mc, mw, ctx);
-      encode<false>(vf[k], vc, vw, ctx);
+      Codec::template encode<true>(mf[k], mc, mw);
+      Codec::template encode<false>(rf[k], vc, vw);
       store<C>(meta, kM, parts[k], first, mw, n, whole && vec, vec);
       store<C>(meta, kV, parts[k], first, vw, n, whole && vec, vec);
       if (ctx.lane == 0) {
@@ -909,48 +664,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   op.run(meta, g_smem);
 }
 
-// Thread blocks per SM that fit (occupancy), per device, computed at the first launch (which also
-// lifts the kernel's dynamic shared memory limit).
-template <typename Op, typename Cfg>
-int ctas_per_sm(int device) {
-  static std::array<std::atomic<int>, 64> cache{};
-  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
-  int n = cache[device].load(std::memory_order_relaxed);
-  if (n > 0) return n;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(blockwise_kernel<Op, Cfg>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(Op::kSmemBytes)));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, blockwise_kernel<Op, Cfg>,
-                                                               Cfg::kThreads, Op::kSmemBytes));
-  TORCH_CHECK(n > 0, "adam_blockwise: the kernel does not fit on this GPU");
-  cache[device].store(n, std::memory_order_relaxed);
-  return n;
-}
-
-int sm_count(int device) {
-  static std::array<std::atomic<int>, 64> cache{};
-  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
-  int n = cache[device].load(std::memory_order_relaxed);
-  if (n > 0) return n;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  cache[device].store(n, std::memory_order_relaxed);
-  return n;
-}
-
-// The search tables' assumptions (state_codec.h) hold for the compiled-in maps.
-void check_search_maps() {
-  static const bool ok = [] {
-    float map[256];
-    const uint32_t s[256] = {SHARDOPT_SIGNED_MAP_BITS};
-    const uint32_t u[256] = {SHARDOPT_UNSIGNED_MAP_BITS};
-    for (int i = 0; i < 256; ++i) map[i] = codec::float_of(s[i]);
-    const bool signed_ok = codec::search_check(map, 127);
-    for (int i = 0; i < 256; ++i) map[i] = codec::float_of(u[i]);
-    return signed_ok && codec::search_check(map, 0);
-  }();
-  TORCH_CHECK(ok, "adam_blockwise: the int8 maps break the code search's assumptions");
-}
-
 template <typename Cfg>
 void adam_blockwise_cuda_impl(const TensorLists& lists, double lr, double beta1, double beta2,
                               double eps, int64_t step, bool adam_w_mode, bool bias_correction,
@@ -983,7 +696,8 @@ void adam_blockwise_cuda_impl(const TensorLists& lists, double lr, double beta1,
                                      bias_correction, weight_decay);
       op.bias = {beta1, beta2, bias_correction};
       const int index = device.index();
-      const int64_t resident = int64_t{sm_count(index)} * ctas_per_sm<Op, C>(index);
+      const int64_t resident =
+          int64_t{sm_count(index)} * ctas_per_sm<Op, C>(index, blockwise_kernel<Op, C>);
       cuda::for_each_launch<Op::kDepth>(
           slots, order, 0, [&](const typename Op::Meta& meta, int64_t chunks, cudaStream_t stream) {
             const int64_t supers = chunks * (kBlocksPerChunk / C::kBlocks);

@@ -1,8 +1,9 @@
 // Adam over blockwise compact state (docs/spec.md "Compact state formats"): the two formats as
 // codec policies over state_codec.h, shared by adam_blockwise_{cpu.cpp,cuda.cu}. Per block of
-// codec::kBlock elements both backends decode m and v, run adam::update<float> per element (the
-// master as adam_compact_math.h stores it), take the new amax of m and of v over the block, and
-// encode both with their block's new scale.
+// codec::kBlock elements both backends decode m and v (v from its root: decode_v), run
+// adam::update<float> per element (the master as adam_compact_math.h stores it), take v's root
+// (codec::v_root), the new amax of m and of the roots over the block, and encode both with their
+// block's new scale (the roots by encode_root: a positive root never takes the zero code).
 #pragma once
 
 #include <c10/util/Half.h>
@@ -27,6 +28,12 @@ struct ScaledFp16 {
   static SHARDOPT_HD code_t encode(float x, const codec::Scale& s, const codec::Int8Tables*) {
     return codec::from_float<code_t>(x * s.inv);
   }
+  static SHARDOPT_HD float decode_v(code_t c, float s, const codec::Int8Tables* t) {
+    return codec::v_of_root(decode(c, s, t));
+  }
+  static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s, const codec::Int8Tables*) {
+    return codec::from_float<code_t>(codec::floor_positive(r, r * s.inv, codec::kHalfTiny));
+  }
 };
 
 // "int8": indices into the dynamic map (m: signed, v: unsigned) of x * (1 / amax).
@@ -40,6 +47,14 @@ struct Int8 {
   }
   static SHARDOPT_HD code_t encode(float x, const codec::Scale& s, const codec::Int8Tables* t) {
     return codec::int8_code(s.finite ? x * s.inv : 0.f, *t);  // a non-finite block: zero codes
+  }
+  // v: t is the unsigned map's; map[1] is its smallest positive value.
+  static SHARDOPT_HD float decode_v(code_t c, float s, const codec::Int8Tables* t) {
+    return codec::v_of_root(decode(c, s, t));
+  }
+  static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s,
+                                        const codec::Int8Tables* t) {
+    return codec::int8_code(s.finite ? codec::floor_positive(r, r * s.inv, t->map[1]) : 0.f, *t);
   }
 };
 

@@ -1,5 +1,6 @@
-// Adam over elementwise compact state on CPU tensors: fp32, bf16 or fp16 moments, the master as
-// fp32, bf16 + int16 remainder, or a bf16/fp16 param. The cpu traversal over adam::update.
+// Adam over elementwise compact state on CPU tensors: fp32, bf16 or fp16 moments (v through
+// codec::decode_v/encode_v: fp16 keeps its root), the master as fp32, bf16 + int16 remainder, or a
+// bf16/fp16 param. The cpu traversal over adam::update.
 #include <algorithm>
 #include <type_traits>
 
@@ -51,14 +52,14 @@ void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
 #pragma omp simd
         for (int j = 0; j < n; ++j) {
           t.m[j] = codec::to_float(mk[i0 + j]);
-          t.v[j] = codec::to_float(vk[i0 + j]);
+          t.v[j] = codec::decode_v(vk[i0 + j]);
         }
         update_tile(t, n, gs, h);
         store_master<M>(t, p[k], Ty::remainder ? r[k] : nullptr, i0, n);
 #pragma omp simd
         for (int j = 0; j < n; ++j) {
           mk[i0 + j] = codec::from_float<S>(t.m[j]);
-          vk[i0 + j] = codec::from_float<S>(t.v[j]);
+          vk[i0 + j] = codec::encode_v<S>(t.v[j]);
         }
       }
     }

@@ -1,5 +1,6 @@
 // Adam over elementwise compact state on CUDA tensors: the elementwise traversal
-// (cuda_elementwise.cuh) over [grad, param, (remainder,) exp_avg, exp_avg_sq] and adam::update.
+// (cuda_elementwise.cuh) over [grad, param, (remainder,) exp_avg, exp_avg_sq] and adam::update,
+// v through codec::v_from_code_value/v_code_value (fp16 keeps its root).
 // A bf16 param with a remainder travels as its raw bits (ParamHi) and the remainder as an int16,
 // both exact in float registers; the op joins them into the master and splits it back.
 #include "../kernels.h"
@@ -56,7 +57,9 @@ struct AdamCompactOp : cuda::OpBase {
     } else {
       master = x[kP];
     }
-    adam::update<float>(master, x[kG] * ctx.grad_scale, x[kM], x[kV], ctx.h);
+    float v = codec::v_from_code_value<S>(x[kV]);  // the traversal converts codes to floats
+    adam::update<float>(master, x[kG] * ctx.grad_scale, x[kM], v, ctx.h);
+    x[kV] = codec::v_code_value<S>(v);
     if constexpr (kRem) {
       uint16_t hi;
       int16_t lo;

@@ -135,6 +135,55 @@ SHARDOPT_HD Scale int8_scale(uint32_t amax) {
   return {a, 1.0f / a, true};
 }
 
+// ---- the second moment v ------------------------------------------------------------------------
+//
+// fp16, scaled_fp16 and int8 keep v as its root r = sqrt(v), correctly rounded, and decode
+// v = r * r: r has m's dynamic range, where v's own (fp16's; relative to the block amax in the
+// blockwise formats) underflowed where m did not, and the update became m / eps. A block's scale
+// is that of its roots. A positive stored value (v in bf16, r elsewhere) never takes a zero code:
+// below the smallest positive code value it takes that value (floor_positive; state_codec.py's
+// Note: compact state formats). fp32 and bf16 keep v.
+constexpr float kHalfTiny = 0x1p-24f;   // the smallest positive fp16 (fp16 and scaled_fp16 codes)
+constexpr float kBf16Tiny = 0x1p-133f;  // the smallest positive bf16
+
+SHARDOPT_HD float v_root(float v) { return sqrt_of(v); }
+SHARDOPT_HD float v_of_root(float r) { return r * r; }
+
+// x (the stored value q, scaled) raised to tiny where q is positive (a NaN q is not).
+SHARDOPT_HD float floor_positive(float q, float x, float tiny) {
+  return q > 0.f && x < tiny ? tiny : x;
+}
+
+// The elementwise formats (code type S): v from the value of its code, and the value whose
+// rounding to S is v's code (fp32: v itself both ways).
+template <typename S>
+SHARDOPT_HD float v_from_code_value(float x) {
+  if constexpr (std::is_same_v<S, c10::Half>) return v_of_root(x);
+  return x;
+}
+
+template <typename S>
+SHARDOPT_HD float v_code_value(float v) {
+  if constexpr (std::is_same_v<S, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<S, c10::Half>) {
+    const float r = v_root(v);
+    return floor_positive(r, r, kHalfTiny);
+  } else {  // bf16
+    return floor_positive(v, v, kBf16Tiny);
+  }
+}
+
+template <typename S>
+SHARDOPT_HD float decode_v(S code) {
+  return v_from_code_value<S>(to_float(code));
+}
+
+template <typename S>
+SHARDOPT_HD S encode_v(float v) {
+  return from_float<S>(v_code_value<S>(v));
+}
+
 // ---- the int8 code search ----------------------------------------------------------------------
 //
 // code(xn) = #{j < 255 : mid[j] < xn}, mid[j] = (map[j] + map[j + 1]) * 0.5f. With z the code of

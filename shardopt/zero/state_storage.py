@@ -13,7 +13,9 @@ Note: compact storage
             exactly (``join_master``/``split_master``); params round half away from zero;
     - the optimizer state, in one ``state_format``: ``fp32``, ``bf16``/``fp16`` (plain casts),
       ``scaled_fp16`` (fp16 codes and one fp32 scale per block) or ``int8`` (8-bit codes into a
-      dynamic quantisation map and one fp32 scale per block). Blocks are ``BLOCK`` elements of a
+      dynamic quantisation map and one fp32 scale per block); the unsigned state (Adam's
+      ``exp_avg_sq``) as its root in fp16, scaled_fp16 and int8, and never a zero code where it
+      is positive (``state_codec.ROOT_FORMATS``). Blocks are ``BLOCK`` elements of a
       shard; every param start and every chunk start is block-aligned (``align_numel``), so a
       block never holds two params and every kernel call and fragment starts on a block.
 
@@ -22,9 +24,10 @@ Note: compact storage
     (``remainder``); alignment padding aside. ``memory_bytes()`` reports the exact figures.
 
     State I/O reads and writes fp32 values whatever the storage: ``read``/``write`` decode and
-    encode one shard range. A master written through state I/O into a ``remainder`` key is kept
-    where it rounds to the param (see Note: the params are the truth in engine.py), so a load
-    never moves a param.
+    encode one shard range, so saved state carries no encoding (state of any
+    ``state_codec.VERSION`` loads into any format). A master written through state I/O into a
+    ``remainder`` key is kept where it rounds to the param (see Note: the params are the truth
+    in engine.py), so a load never moves a param.
 """
 
 from __future__ import annotations
