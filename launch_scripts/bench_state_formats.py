@@ -28,8 +28,9 @@ from bench_common import (
 )
 
 shardopt = import_shardopt()
-from shardopt import _compact_ops, _ops  # noqa: E402
+from shardopt import kernels as _ops  # noqa: E402
 from shardopt import state_codec as sc  # noqa: E402
+from shardopt.kernels import compact as _compact_ops  # noqa: E402
 
 HYPER = dict(
     lr=1e-3,

@@ -10,8 +10,8 @@ from shardopt import (
     FusedMixedPrecisionLamb,
     FusedNovoGrad,
     FusedSGD,
-    _ops,
 )
+from shardopt import kernels as _ops
 
 ALL = [
     FusedAdam,
@@ -149,10 +149,10 @@ def test_misuse_raises(cls, build, exc, regex):
 def test_cuda_tensors_on_a_build_without_cuda_say_how_to_build(monkeypatch):
     monkeypatch.setattr(_ops.extension(), "has_cuda", False)
     with pytest.raises(RuntimeError, match=r"(?s)without CUDA.*(pip install|SHARDOPT_BUILD_CUDA)"):
-        _ops._backend(torch.device("cuda"))
+        _ops.backend(torch.device("cuda"))
     assert _ops.cuda_available() is False
 
 
 def test_unknown_device_type_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"no kernels for meta tensors"):
-        _ops._backend(torch.device("meta"))
+        _ops.backend(torch.device("meta"))

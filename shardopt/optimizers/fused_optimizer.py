@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.optimizers.dtensor import check_param_types
 from shardopt.optimizers.state_dict import TorchStateDict
 from shardopt.optimizers.step_plan import GroupPlan, GroupStep, ParamState, StepPlans

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.optimizers.step_plan import ParamState
 
 

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")

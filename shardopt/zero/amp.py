@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.zero import comm
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.sharded_params import ShardedParams

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
 from shardopt.zero import apex_compat, comm, sharded_params, state_storage, torch_clip, user_buffers
 from shardopt.zero.amp import AmpClip, StepScalars
