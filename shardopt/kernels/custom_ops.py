@@ -34,9 +34,8 @@ def _define(spec: KernelSpec) -> torch.library.CustomOpDef:
     n_vec = len(spec.vectors)
 
     def real(*args, **kwargs):
-        values = list(args) + [
-            kwargs[k] for k in (spec.slots + spec.vectors + spec.args)[len(args) :]
-        ]
+        names = (spec.slots + spec.vectors + spec.args)[len(args) :]
+        values = list(args) + [kwargs[k] if k in kwargs else spec.defaults[k] for k in names]
         lists = [list(s) for s in values[:n_slots]]
         if spec.has_out and not lists[-1]:
             lists.pop()
@@ -48,7 +47,7 @@ def _define(spec: KernelSpec) -> torch.library.CustomOpDef:
         # the CUDA kernels' results can be rows of one tensor: outputs must not alias
         return tuple(r if i == 0 else r.clone() for i, r in enumerate(results))
 
-    def fake(*args, **kwargs):
+    def fake(*args, **kwargs):  # the list arguments come first, positional
         if not spec.returns:
             return None
         tensors = list(args[0]) if spec.flat else list(args[spec.param_slot])
