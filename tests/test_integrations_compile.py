@@ -1,7 +1,8 @@
 """torch.compile (docs/integrations.md): every single-process optimizer's ``step()`` compiles
-with ``fullgraph=True`` (its kernels are ``torch.library`` custom ops, shardopt/kernels/custom_ops.py) and
-equals the eager step; at world 2 (gloo) a compiled model trained with DistributedFusedAdam, and a
-compiled function holding the whole training step, equal the eager run."""
+with ``fullgraph=True`` (its kernels are ``torch.library`` custom ops,
+shardopt/kernels/custom_ops.py) and equals the eager step; at world 2 (gloo) a compiled model
+trained with DistributedFusedAdam, and a compiled function holding the whole training step, equal
+the eager run."""
 
 from __future__ import annotations
 

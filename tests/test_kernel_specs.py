@@ -20,7 +20,7 @@ CSRC = build.CSRC
 # C++ parameter type -> the spec's (torch schema) type
 CPP_TYPES = {
     "double": "float",
-    "int64_t": "int",
+    "int64_t": "int",  # SymInt in the schema
     "bool": "bool",
     "const at::Tensor&": "Tensor",
     "const OptTensor&": "Optional[Tensor]",

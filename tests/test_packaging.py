@@ -212,3 +212,110 @@ def test_version_is_single_sourced():
     ).stdout
     assert out.strip() == f"shardopt {__version__}"
     assert (PACKAGE / "py.typed").is_file()
+
+
+# -- the ISA guard: a module built for a higher CPU level is an ImportError, never SIGILL ---------
+
+LOWER = [("default", "avx2"), ("default", "avx512"), ("avx2", "avx512")]
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.skipif(not X86_LEVELS, reason="x86-64 ISA modules only")
+@pytest.mark.parametrize("level, module_level", LOWER)
+def test_importing_a_module_of_a_higher_cpu_level_is_an_import_error(level, module_level):
+    """SHARDOPT_SIMULATE_CPU_LEVEL makes the modules' own check (Note: ISA guard in
+    csrc/bindings.cpp) see a CPU of that level: the import raises, the interpreter lives on."""
+    name = X86_LEVELS[module_level]
+    _built_module(name)
+    code = (
+        "import importlib\n"
+        "try:\n"
+        f"    importlib.import_module('shardopt.{name}')\n"
+        "except ImportError as e:\n"
+        "    print('ImportError:', e)\n"
+        "else:\n"
+        "    print('imported')\n"
+    )
+    out = _python(code, SHARDOPT_SIMULATE_CPU_LEVEL=level)
+    assert out.returncode == 0, f"exit {out.returncode} (a signal if negative): {out.stderr}"
+    assert out.stdout.startswith("ImportError:"), out.stdout
+    assert f"{name} is built for {module_level} CPUs and this CPU lacks" in out.stdout
+    assert "import shardopt instead" in out.stdout
+    # at its own level it imports
+    out = _python(code, SHARDOPT_SIMULATE_CPU_LEVEL=module_level)
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stdout + out.stderr
+
+
+@pytest.mark.skipif(not X86_LEVELS, reason="x86-64 ISA modules only")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
+@pytest.mark.parametrize("capability", ["avx2", "avx512"])
+def test_what_runs_before_the_isa_check_has_no_vector_instructions(capability):
+    """The entry point, its CPU check and the static initializers (which run at dlopen, before
+    it) hold no AVX instructions: only they run on a CPU below the module's level."""
+    so = _built_module(X86_LEVELS[capability])
+    dis = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", "-C", str(so)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    functions = re.split(r"\n(?=[0-9a-f]+ <)", dis)
+    early = [
+        f
+        for f in functions
+        if re.match(r"[0-9a-f]+ <(PyInit_|_GLOBAL__sub_I|.*missing_cpu_feature)", f)
+    ]
+    assert any(f.split("<", 1)[1].startswith("PyInit_") for f in early), "no PyInit_ found"
+    for f in early:
+        head = f.split("\n", 1)[0]
+        assert not re.search(r"[yz]mm|\bv[a-z]+\s", f), f"{so.name}: {head} uses AVX"
+
+
+def test_walk_packages_imports_every_module():
+    """What pkgutil.walk_packages users (pytest --doctest-modules, Sphinx autosummary, pdoc) do:
+    import every shardopt module, in a fresh interpreter; at a simulated CPU level below the ISA
+    modules only those refuse, with an ImportError, and the kernels still run (from a module
+    this CPU has)."""
+    code = (
+        "import importlib, pkgutil, torch, shardopt\n"
+        "for info in pkgutil.walk_packages(shardopt.__path__, 'shardopt.'):\n"
+        "    try:\n"
+        "        importlib.import_module(info.name)\n"
+        "    except ImportError as e:\n"
+        "        print('refused', info.name)\n"
+        "    else:\n"
+        "        print('imported', info.name)\n"
+        "p, q = (torch.nn.Parameter(torch.linspace(-1, 1, 5)) for _ in range(2))\n"
+        "p.grad = q.grad = torch.linspace(2, 3, 5)\n"
+        "shardopt.FusedAdam([p], lr=0.1, weight_decay=0.0).step()\n"
+        "torch.optim.Adam([q], lr=0.1).step()\n"
+        "from shardopt.kernels import loader\n"
+        "print('kernels', loader.cpu_extension().__name__, float((p - q).abs().max()))\n"
+    )
+    levels = ["default"] if X86_LEVELS else []
+    for level in [None, *levels]:
+        out = _python(code, **({"SHARDOPT_SIMULATE_CPU_LEVEL": level} if level else {}))
+        assert out.returncode == 0, f"exit {out.returncode} at {level}: {out.stderr[-2000:]}"
+        lines = out.stdout.splitlines()
+        refused = {ln.split()[1] for ln in lines if ln.startswith("refused")}
+        imported = {ln.split()[1] for ln in lines if ln.startswith("imported")}
+        assert "shardopt.kernels.ops" in imported and "shardopt.zero.engine" in imported
+        if level is None:
+            assert not refused, refused
+        else:
+            assert refused == {f"shardopt.{X86_LEVELS[c]}" for c in ("avx2", "avx512")} & (
+                refused | imported
+            ), refused
+            assert lines[-1].startswith("kernels shardopt._C "), lines[-1]
+        assert float(lines[-1].split()[-1]) < 1e-6, lines[-1]  # the step matches torch's

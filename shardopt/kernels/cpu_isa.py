@@ -23,16 +23,27 @@ CAPABILITIES = ("default", "avx2", "avx512")
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none).
+
+    ``SHARDOPT_SIMULATE_CPU_LEVEL=default|avx2`` hides the flags of the levels above it, as the
+    extension modules' own check does (Note: ISA guard in csrc/bindings.cpp): the tests use it to
+    run on any machine what a CPU of that level sees.
+    """
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
+    flags: frozenset[str] = frozenset()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+            flags = frozenset(value.split())
+            break
+    simulated = os.environ.get("SHARDOPT_SIMULATE_CPU_LEVEL", "").strip().lower()
+    if simulated in CAPABILITIES:
+        for cap in CAPABILITIES[CAPABILITIES.index(simulated) + 1 :]:
+            flags -= _X86_LEVEL_FLAGS[cap]
+    return flags
 
 
 def detect_cpu_capability(flags: frozenset[str] | None = None) -> str | None:

@@ -5,7 +5,8 @@ Each entry of ``SPECS`` is a torch operator schema (the ``native_functions.yaml`
 kernel's arguments in the order of its C++ entry point (csrc/kernels.def), with its tensor lists
 spelled out as the leading ``Tensor[]`` arguments (the C++ side takes them as one ``lists``
 vector, or one ``TensorList`` when there is a single list) and the lists and tensors it writes
-marked ``(a!)``. From it:
+marked ``(a!)``. Integers are ``SymInt``, as torch infers them for Python ints, so that a traced
+step count stays symbolic instead of recompiling every step. From it:
 
 - the ``torch.library`` custom op ``shardopt::<name>`` (its schema is this one; ``custom_ops``),
   and its fake implementation: a ``Tensor`` return named ``total`` is a 0-dim tensor, every other
@@ -30,7 +31,7 @@ import torch
 
 # Argument lists shared by several kernels (same C++ parameters).
 _ADAM_SCALARS = (
-    "float lr, float beta1, float beta2, float eps, int step, bool adam_w_mode, "
+    "float lr, float beta1, float beta2, float eps, SymInt step, bool adam_w_mode, "
     "bool bias_correction, float weight_decay, Tensor? lr_t=None, Tensor? step_t=None, "
     "Tensor? grad_scale_t=None, Tensor? found_inf_t=None"
 )
@@ -207,7 +208,7 @@ SPECS: dict[str, KernelSpec] = {
         ),
         KernelSpec(
             "lamb_stage1(Tensor[] grads, Tensor[] params, Tensor(a!)[] exp_avg, "
-            "Tensor(b!)[] exp_avg_sq, float beta1, float beta2, float eps, int step, "
+            "Tensor(b!)[] exp_avg_sq, float beta1, float beta2, float eps, SymInt step, "
             "bool bias_correction, float weight_decay, bool grad_averaging, bool adam_w_mode, "
             "Tensor? step_t=None, Tensor? grad_scale_t=None, Tensor? found_inf_t=None, "
             "Tensor? grad_norm_sq_t=None, float max_grad_norm=0.0) -> (Tensor w_sq, Tensor u_sq)",
@@ -219,7 +220,7 @@ SPECS: dict[str, KernelSpec] = {
         KernelSpec(
             "lamb_stage2(Tensor(a!)[] params, Tensor[] exp_avg, Tensor[] exp_avg_sq, "
             "Tensor(b!)[] outs, Tensor w_norm, Tensor u_norm, float lr, float beta1, "
-            "float beta2, float eps, int step, bool bias_correction, float weight_decay, "
+            "float beta2, float eps, SymInt step, bool bias_correction, float weight_decay, "
             "bool adam_w_mode, bool use_nvlamb, Tensor? lr_t=None, Tensor? step_t=None, "
             "Tensor? found_inf_t=None, bool squared=False) -> ()",
             "LAMB's trust-ratio update over [params, exp_avg, exp_avg_sq(, outs)] from the "
@@ -228,16 +229,16 @@ SPECS: dict[str, KernelSpec] = {
         KernelSpec(
             "novograd(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avg, "
             "Tensor(c!)[] outs, Tensor v_norm, float lr, float beta1, float beta2, float eps, "
-            "int step, bool bias_correction, float weight_decay, bool grad_averaging, "
-            "int moment_mode, Tensor? lr_t=None, Tensor? step_t=None, "
+            "SymInt step, bool bias_correction, float weight_decay, bool grad_averaging, "
+            "SymInt moment_mode, Tensor? lr_t=None, Tensor? step_t=None, "
             "Tensor? grad_scale_t=None, Tensor? found_inf_t=None) -> ()",
             "NovoGrad over [grads, params, exp_avg(, outs)] with the per-tensor second moment.",
         ),
         KernelSpec(
             "novograd_step(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avg, "
             "Tensor(c!)[] outs, Tensor(d!) v, Tensor? fresh, float lr, float beta1, float beta2, "
-            "float eps, int step, bool bias_correction, float weight_decay, "
-            "bool grad_averaging, int moment_mode, int norm_type, bool init_zero, "
+            "float eps, SymInt step, bool bias_correction, float weight_decay, "
+            "bool grad_averaging, SymInt moment_mode, SymInt norm_type, bool init_zero, "
             "Tensor? lr_t=None, Tensor? step_t=None) -> ()",
             "NovoGrad's whole step over [grads, params, exp_avg(, outs)]: the per-tensor grad "
             "norms (norm_type 2 or 0), the second moments v blended with them in place (fresh: "
