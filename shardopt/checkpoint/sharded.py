@@ -18,7 +18,7 @@ import torch
 
 from shardopt.checkpoint import format as fmt
 from shardopt.checkpoint.format import CheckpointError
-from shardopt.optimizers.fused_optimizer import check_loaded_groups
+from shardopt.optimizers.state_dict import check_loaded_groups
 from shardopt.zero import comm
 from shardopt.zero.engine import DistributedOptimizer
 from shardopt.zero.layout import Range

@@ -55,21 +55,6 @@ def check_grad(p: torch.Tensor, owner: str) -> None:
         )
 
 
-def check_loaded_groups(saved_groups: list[dict], param_groups: list[dict], owner: str) -> None:
-    """A loaded state dict must have this optimizer's number of groups and params per group."""
-    if len(saved_groups) != len(param_groups):
-        raise ValueError(
-            f"{owner}: the state dict has {len(saved_groups)} param groups, this optimizer has "
-            f"{len(param_groups)}"
-        )
-    for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
-        if len(g["params"]) != len(sg["params"]):
-            raise ValueError(
-                f"{owner}: param group {i} of the state dict has {len(sg['params'])} params, "
-                f"this optimizer's has {len(g['params'])}"
-            )
-
-
 def reject_amsgrad(amsgrad: bool, owner: str) -> None:
     if amsgrad:
         raise RuntimeError(f"{owner} does not support the AMSGrad variant.")

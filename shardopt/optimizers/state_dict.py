@@ -44,6 +44,21 @@ def _load_hyper(current: Any, saved: Any, written: set[int]) -> Any:
     return copy.deepcopy(saved)
 
 
+def check_loaded_groups(saved_groups: list[dict], param_groups: list[dict], owner: str) -> None:
+    """A loaded state dict must have this optimizer's number of groups and params per group."""
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"{owner}: the state dict has {len(saved_groups)} param groups, this optimizer has "
+            f"{len(param_groups)}"
+        )
+    for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
+        if len(g["params"]) != len(sg["params"]):
+            raise ValueError(
+                f"{owner}: param group {i} of the state dict has {len(sg['params'])} params, "
+                f"this optimizer's has {len(g['params'])}"
+            )
+
+
 class TorchStateDict:
     """``state_dict``/``load_state_dict`` of a ``FusedOptimizer`` (not used on its own)."""
 
@@ -95,8 +110,6 @@ class TorchStateDict:
             post_hook(self)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from shardopt.optimizers.fused_optimizer import check_loaded_groups
-
         saved_groups = state_dict["param_groups"]
         check_loaded_groups(saved_groups, self.param_groups, type(self).__name__)
         new_groups, new_state = [], {}

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from shardopt.optimizers.fused_optimizer import check_loaded_groups
+from shardopt.optimizers.state_dict import check_loaded_groups
 from shardopt.zero import comm, state_storage
 from shardopt.zero.layout import Range
 from shardopt.zero.state_storage import MASTER
