@@ -272,9 +272,9 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 the one ``step()`` received is known).
 
         Returns:
-            The total norm before clipping (a device scalar): of the unscaled grads after
-            ``scaler.unscale_(optimizer)``, as ``torch.nn.utils.clip_grad_norm_`` returns it,
-            else of the grads as they are (loss-scaled under a GradScaler).
+            The total norm before clipping (a device scalar), unscaled when a GradScaler is known
+            (the norm the step clips by, as ``torch.nn.utils.clip_grad_norm_`` returns it after
+            ``scaler.unscale_(optimizer)``), else of the grads as they are.
         """
         return self.amp.clip(self, max_norm, grad_scaler)
 
