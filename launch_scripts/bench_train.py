@@ -371,7 +371,7 @@ MODES.update(
     ddp_adamw_compiled=setup_ddp_adamw_compiled,
     shardopt_adam_compiled=setup_shardopt_adam_compiled,
 )
-# compact storage (issue 17; README: memory per parameter), run when --modes names them
+# compact storage (README: memory per parameter), run when --modes names them
 MODES.update(
     shardopt_adam_scaled=setup_shardopt_adam_scaled,
     shardopt_adam_int8=setup_shardopt_adam_int8,

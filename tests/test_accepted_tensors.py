@@ -1,4 +1,4 @@
-"""Every tensor torch.optim takes (issue 14, items 1 and 3): params of several dtypes in one group,
+"""Every tensor torch.optim takes: params of several dtypes in one group,
 params and grads in any memory layout, and kernel calls that refuse what they cannot read; and a
 conv net trained in channels_last with fp16 convs under GradScaler, for every class.
 
@@ -119,7 +119,7 @@ def test_a_kernel_call_with_a_mixed_list_raises_and_ops_splits_it(device):
 
 
 def test_the_scale_kernel_takes_mixed_lists(device):
-    """GradScaler's unscale of a mixed group (the CUDA crash of issue 14) is one kernel call."""
+    """GradScaler's unscale of a mixed group (which once crashed on CUDA) is one kernel call."""
     dtypes = [FP16, FP32, torch.bfloat16, FP32]
     src = [torch.randn(s, device=device).to(d) for s, d in zip([5, 70000, 3, 2], dtypes)]
     dst = [torch.empty_like(s, dtype=d) for s, d in zip(src, reversed(dtypes))]

@@ -3,7 +3,7 @@
 Note: step plans
 The fused kernels take a whole param group in one launch, so on small tensors the step is bound
 by the host work around that launch: looping over the params, building the tensor lists, looking
-up state, grouping by dtype and layout (issue 18). A ``GroupPlan`` keeps, per param group, what
+up state, grouping by dtype and layout. A ``GroupPlan`` keeps, per param group, what
 the general path of the step worked out: the params that have grads, the tensors the kernels
 take besides the grads (state, masters, low-precision outs) and whether those lists fit the
 kernels as they are (shardopt/_ops.py, Note: lists passed as they are). A later step reuses it

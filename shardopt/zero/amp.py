@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardopt import kernels as _ops
+from shardopt import kernels
 from shardopt.zero import comm
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.sharded_params import ShardedParams
@@ -90,7 +90,7 @@ class AmpClip:
             device = self.sharded.device
             total = torch.zeros(1, dtype=torch.float32, device=device)
             for key in self.sharded.keys:
-                sq, _ = _ops.norm([key.buffers.grad_shard])
+                sq, _ = kernels.norm([key.buffers.grad_shard])
                 total += sq.to(device, torch.float32)
             comm.all_reduce(total, self.process_group)
             self._sumsq = total
