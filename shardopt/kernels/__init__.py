@@ -14,7 +14,10 @@ here imports shardopt.optimizers or shardopt.zero):
   kernel (registered at the first torch.compile trace).
 - ``compact``: the compact-state Adam entry (``adam_compact``).
 
-The names below are the layer's interface to the optimizers (docs/kernels.md).
+The names below are the layer's interface to the optimizers (docs/kernels.md). ``adam_compact``
+here is the compact-state entry (it checks the lists against their ``state_format`` and runs the
+``adam_compact`` or ``adam_blockwise`` kernel, whose raw wrappers are ``ops.adam_compact`` and
+``ops.adam_blockwise``).
 """
 
 from shardopt.kernels.compact import adam_compact
