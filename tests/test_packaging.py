@@ -319,3 +319,18 @@ def test_walk_packages_imports_every_module():
             ), refused
             assert lines[-1].startswith("kernels shardopt._C "), lines[-1]
         assert float(lines[-1].split()[-1]) < 1e-6, lines[-1]  # the step matches torch's
+
+
+@pytest.mark.skipif(not X86_LEVELS, reason="x86-64 ISA modules only")
+def test_a_module_its_cpu_check_refuses_falls_back_to_the_level_below():
+    """When /proc/cpuinfo claims a level the module's own check does not find, the loader takes
+    the next module down instead of failing (simulated: the C check sees avx2, cpuinfo avx512)."""
+    _built_module(X86_LEVELS["avx512"])
+    code = (
+        "from shardopt.kernels import cpu_isa, loader\n"
+        "cpu_isa.cpu_flags = lambda: frozenset().union(*cpu_isa._X86_LEVEL_FLAGS.values())\n"
+        "print(loader.cpu_extension().__name__)\n"
+    )
+    out = _python(code, SHARDOPT_SIMULATE_CPU_LEVEL="avx2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"shardopt.{X86_LEVELS['avx2']}", out.stdout

@@ -59,9 +59,15 @@ def check_build_info(info: dict | None) -> None:
         )
 
 
+class CpuLevelError(ImportError):
+    """A module's own CPU check refused the import: this CPU lacks the module's ISA level (Note:
+    ISA guard in csrc/bindings.cpp)."""
+
+
 def _import_prebuilt(name: str) -> ModuleType:
-    """Imports ``shardopt.<name>``: ModuleNotFoundError if absent, ImportError naming the fix if
-    present but unloadable (built against another torch)."""
+    """Imports ``shardopt.<name>``: ModuleNotFoundError if absent, CpuLevelError if built for a
+    CPU level this one lacks, ImportError naming the fix if present but unloadable otherwise
+    (built against another torch)."""
     fullname = f"shardopt.{name}"
     spec = importlib.util.find_spec(fullname)
     if spec is None:
@@ -70,6 +76,8 @@ def _import_prebuilt(name: str) -> ModuleType:
     try:
         return importlib.import_module(fullname)
     except ImportError as e:
+        if " CPUs and this CPU lacks " in str(e):
+            raise CpuLevelError(str(e)) from e
         built = (build_info() or {}).get("torch")
         against = f" (built against torch {built})" if built else ""
         raise ImportError(
@@ -110,6 +118,8 @@ def load_cpu_extension(main: ModuleType) -> ModuleType:
             return main
         try:
             return _import_prebuilt(name)
+        except CpuLevelError:
+            continue  # /proc/cpuinfo promised more than the CPU check found: the next level down
         except ModuleNotFoundError as e:
             if e.name != f"shardopt.{name}":
                 raise
