@@ -4,7 +4,8 @@
     python -m build --sdist --no-isolation                # a complete source distribution
     pip wheel --no-build-isolation --no-deps shardopt-*.tar.gz   # a wheel, from the sdist
 
-Modules (see Note: CPU capability dispatch in shardopt/_build.py): ``shardopt._C`` (baseline CPU
+Modules (see Note: CPU capability dispatch in docs/design.md; sources and flags in
+shardopt/kernels/build.py): ``shardopt._C`` (baseline CPU
 kernels, plus the CUDA kernels when torch has CUDA and nvcc is found) and, on x86-64,
 ``shardopt._C_avx2`` and ``shardopt._C_avx512`` (the CPU kernels for those ISA levels). All are
 release builds (no debug info). ``SHARDOPT_BUILD_EXT=0`` builds none: a pure-Python install whose
@@ -29,7 +30,10 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
-_spec = importlib.util.spec_from_file_location("_build", ROOT / "shardopt" / "_build.py")
+# shardopt/kernels/build.py imports nothing of shardopt, so it runs before the package is built
+_spec = importlib.util.spec_from_file_location(
+    "shardopt_build", ROOT / "shardopt" / "kernels" / "build.py"
+)
 _build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_build)
 

@@ -46,7 +46,7 @@ def check_sdist(path: Path) -> None:
     for kind in (".h", ".cpp", ".cu", ".cuh"):
         check(any(n.endswith(kind) for n in csrc), f"sdist holds csrc/**/*{kind}")
     check("csrc/kernels.h" in names and "csrc/bindings.cpp" in names, "sdist holds csrc/kernels.h")
-    for name in ("LICENSE", "README.md", "setup.py", "pyproject.toml", "shardopt/_build.py"):
+    for name in ("LICENSE", "README.md", "setup.py", "pyproject.toml", "shardopt/kernels/build.py"):
         check(name in names, f"sdist holds {name}")
     check(not any(n.endswith((".so", ".o")) for n in names), "sdist holds no binaries")
     check("Requires-Dist: torch>=2.4" in meta, "sdist requires a torch range (torch>=2.4)")
@@ -95,26 +95,26 @@ def adam_matches_torch() -> None:
 
 def check_installed() -> None:
     import shardopt
-    from shardopt import _build, _ops
+    from shardopt.kernels import build, cpu_isa, loader
 
     where = Path(shardopt.__file__).resolve()
     print(f"installed {where.parent}")
     check(Path(sys.prefix).resolve() in where.parents, "shardopt imports from the venv")
     version = importlib.metadata.version("shardopt")
     check(shardopt.__version__ == version, f"__version__ == metadata version ({version})")
-    print("  " + _build.describe().replace("\n", "\n  "))
-    check(_ops.extension().__name__ == "shardopt._C", "the prebuilt shardopt._C loads (no JIT)")
-    cap = _build.detect_cpu_capability()
-    levels = {c: m for c, m, _ in _build.cpu_isa_levels()}
+    print("  " + loader.describe().replace("\n", "\n  "))
+    check(loader.extension().__name__ == "shardopt._C", "the prebuilt shardopt._C loads (no JIT)")
+    cap = cpu_isa.detect_cpu_capability()
+    levels = {c: m for c, m, _ in build.cpu_isa_levels()}
     expected = f"shardopt.{levels.get(cap, '_C')}"
-    check(_ops.cpu_extension().__name__ == expected, f"CPU kernels from {expected} ({cap} CPU)")
-    for c, module, _ in _build.cpu_isa_levels():
-        if _build.CAPABILITIES.index(c) > _build.CAPABILITIES.index(cap):
+    check(loader.cpu_extension().__name__ == expected, f"CPU kernels from {expected} ({cap} CPU)")
+    for c, module, _ in build.cpu_isa_levels():
+        if cpu_isa.CAPABILITIES.index(c) > cpu_isa.CAPABILITIES.index(cap):
             continue
-        _ops._CPU = _ops.extension() if module == "_C" else _build._import_prebuilt(module)
+        loader._CPU = loader.extension() if module == "_C" else loader._import_prebuilt(module)
         adam_matches_torch()
         check(True, f"FusedAdam == torch.optim.AdamW (3 steps) with shardopt.{module}")
-    _ops._CPU = None
+    loader._CPU = None
     out = subprocess.run(
         [sys.executable, "-m", "shardopt.checkpoint", "--version"],
         capture_output=True,
@@ -136,8 +136,8 @@ def check_jit() -> None:
     with tempfile.TemporaryDirectory() as build_dir:
         env = dict(os.environ, SHARDOPT_FORCE_JIT="1", SHARDOPT_BUILD_DIR=build_dir)
         code = (
-            "import shardopt, shardopt._build as b; from shardopt import _ops; "
-            "print(_ops.extension().__file__); print(b.CSRC)"
+            "import shardopt, shardopt.kernels.build as b; from shardopt.kernels import loader; "
+            "print(loader.extension().__file__); print(b.CSRC)"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True

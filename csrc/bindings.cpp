@@ -1,7 +1,23 @@
-// The pybind11 module shardopt._C: the only file that includes torch/extension.h.
-// Kernels are exposed per backend (_C.cpu.*, _C.cuda.*), one m.def per entry of kernels.def;
-// shardopt/_ops.py picks one.
+// The pybind11 module shardopt._C (and its per-ISA builds _C_avx2, _C_avx512): the only file that
+// includes torch/extension.h. Kernels are exposed per backend (_C.cpu.*, _C.cuda.*), one m.def per
+// entry of kernels.def; shardopt/kernels/loader.py picks the module, shardopt/kernels/dispatch.py
+// the backend.
+//
+// Note: ISA guard
+// Every translation unit of a module is compiled for that module's CPU level (-march=x86-64-v2,
+// -v3 or -v4: shardopt/kernels/build.py), so running any of its code on a CPU below that level can
+// stop the interpreter with SIGILL, and tools that import every module of a package
+// (pkgutil.walk_packages, pytest --doctest-modules, Sphinx autosummary) do import _C_avx512. So
+// the module's entry point, PyInit_<name>, is written here instead of by PYBIND11_MODULE and is
+// compiled for the x86-64 baseline (target("arch=x86-64")): before any code built for the module's
+// level runs, it checks the CPU and raises ImportError when a feature is missing. The only code that
+// runs earlier is the static initializers (std::ios_base::Init and the like), which hold no vector
+// code. SHARDOPT_SIMULATE_CPU_LEVEL=default|avx2 makes the check see a CPU of at most that level
+// (the tests use it to exercise the refusal on any machine).
 #include <torch/extension.h>
+
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels.h"
 #include "multi_tensor/cpu_apply.h"
@@ -9,7 +25,73 @@
 #include "multi_tensor/cuda_chunk.h"
 #endif
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Token pasting with TORCH_EXTENSION_NAME expanded first (PYBIND11_CONCAT pastes it unexpanded).
+#define SHARDOPT_CAT_(a, b) a##b
+#define SHARDOPT_CAT(a, b) SHARDOPT_CAT_(a, b)
+#define SHARDOPT_EXEC SHARDOPT_CAT(pybind11_exec_, TORCH_EXTENSION_NAME)
+#define SHARDOPT_PYINIT SHARDOPT_CAT(PyInit_, TORCH_EXTENSION_NAME)
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SHARDOPT_ISA_GUARD 1
+#define SHARDOPT_BASELINE __attribute__((target("arch=x86-64"), noinline))
+#if defined(__AVX512F__)
+#define SHARDOPT_ISA_LEVEL "avx512"
+#define SHARDOPT_ISA_RANK 2
+#elif defined(__AVX2__)
+#define SHARDOPT_ISA_LEVEL "avx2"
+#define SHARDOPT_ISA_RANK 1
+#else
+#define SHARDOPT_ISA_LEVEL "default"
+#define SHARDOPT_ISA_RANK 0
+#endif
+#else
+#define SHARDOPT_BASELINE
+#endif
+
+#ifdef SHARDOPT_ISA_GUARD
+namespace {
+
+// The first CPU feature this module was compiled to use that the CPU lacks, else nullptr. The
+// lists are the features GCC and clang emit at each x86-64 level (psABI v2, v3, v4).
+SHARDOPT_BASELINE const char* missing_cpu_feature() {
+  const char* simulated = std::getenv("SHARDOPT_SIMULATE_CPU_LEVEL");
+  if (simulated != nullptr) {
+    int rank = std::strcmp(simulated, "default") == 0 ? 0
+               : std::strcmp(simulated, "avx2") == 0  ? 1
+                                                      : 2;
+    if (rank < SHARDOPT_ISA_RANK) {
+      return rank == 0 ? "avx2 (SHARDOPT_SIMULATE_CPU_LEVEL=default)"
+                       : "avx512f (SHARDOPT_SIMULATE_CPU_LEVEL=avx2)";
+    }
+  }
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("ssse3")) return "ssse3";
+  if (!__builtin_cpu_supports("sse4.1")) return "sse4.1";
+  if (!__builtin_cpu_supports("sse4.2")) return "sse4.2";
+  if (!__builtin_cpu_supports("popcnt")) return "popcnt";
+#if SHARDOPT_ISA_RANK >= 1
+  if (!__builtin_cpu_supports("avx")) return "avx";
+  if (!__builtin_cpu_supports("avx2")) return "avx2";
+  if (!__builtin_cpu_supports("fma")) return "fma";
+  if (!__builtin_cpu_supports("bmi")) return "bmi";
+  if (!__builtin_cpu_supports("bmi2")) return "bmi2";
+#endif
+#if SHARDOPT_ISA_RANK >= 2
+  if (!__builtin_cpu_supports("avx512f")) return "avx512f";
+  if (!__builtin_cpu_supports("avx512bw")) return "avx512bw";
+  if (!__builtin_cpu_supports("avx512cd")) return "avx512cd";
+  if (!__builtin_cpu_supports("avx512dq")) return "avx512dq";
+  if (!__builtin_cpu_supports("avx512vl")) return "avx512vl";
+#endif
+  return nullptr;
+}
+
+}  // namespace
+#endif
+
+// The bindings (run by the module's exec slot, after the guard let the import through).
+static int SHARDOPT_EXEC(PyObject*);
+PYBIND11_MODULE_EXEC(TORCH_EXTENSION_NAME, m) {
   using namespace shardopt;
   using namespace pybind11::literals;  // "name"_a in kernels.def
   auto cpu = m.def_submodule("cpu", "C++ CPU kernels");
@@ -18,6 +100,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #include "kernels.def"
 #undef SHARDOPT_KERNEL
   m.attr("cpu_chunk_size") = cpu::kChunkSize;
+#ifdef SHARDOPT_ISA_GUARD
+  m.attr("cpu_level") = SHARDOPT_ISA_LEVEL;
+#else
+  m.attr("cpu_level") = "default";
+#endif
 #ifdef SHARDOPT_WITH_CUDA
   auto cuda = m.def_submodule("cuda", "CUDA kernels");
 #define SHARDOPT_KERNEL(name, ret, params, doc, ...) \
@@ -29,4 +116,46 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("has_cuda") = false;
 #endif
+}
+
+namespace {
+
+// PYBIND11_MODULE_PYINIT's body (multi-phase init), compiled for the module's level: called only
+// once the guard has passed.
+__attribute__((noinline)) PyObject* module_def() {
+  try {
+    pybind11::detail::ensure_internals();
+    static ::pybind11::detail::slots_array slots =
+        ::pybind11::detail::init_slots(&SHARDOPT_EXEC);
+    static PyModuleDef def{/* m_base */ PyModuleDef_HEAD_INIT,
+                           /* m_name */ PYBIND11_TOSTRING(TORCH_EXTENSION_NAME),
+                           /* m_doc */ nullptr,
+                           /* m_size */ 0,
+                           /* m_methods */ nullptr,
+                           /* m_slots */ slots.data(),
+                           /* m_traverse */ nullptr,
+                           /* m_clear */ nullptr,
+                           /* m_free */ nullptr};
+    return PyModuleDef_Init(&def);
+  }
+  PYBIND11_CATCH_INIT_EXCEPTIONS
+  return nullptr;
+}
+
+}  // namespace
+
+// The entry point: see Note: ISA guard.
+extern "C" PYBIND11_EXPORT PyObject* SHARDOPT_PYINIT();
+extern "C" PYBIND11_EXPORT SHARDOPT_BASELINE PyObject* SHARDOPT_PYINIT() {
+#ifdef SHARDOPT_ISA_GUARD
+  if (const char* missing = missing_cpu_feature()) {
+    PyErr_Format(PyExc_ImportError,
+                 "%s is built for %s CPUs and this CPU lacks %s: import shardopt instead, which "
+                 "loads the kernels built for this CPU (see shardopt.kernels.loader)",
+                 PYBIND11_TOSTRING(TORCH_EXTENSION_NAME), SHARDOPT_ISA_LEVEL, missing);
+    return nullptr;
+  }
+#endif
+  PYBIND11_CHECK_PYTHON_VERSION
+  return module_def();
 }

@@ -1,4 +1,4 @@
-"""Sharded checkpoint save/load speed and memory on the benchmark GPT (issue: checkpoints).
+"""Sharded checkpoint save/load speed and memory on the benchmark GPT.
 
     torchrun --standalone --nproc-per-node 2 launch_scripts/bench_checkpoint.py --dir /tmp/ckpt
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 import shardopt
-from shardopt import _build, _ops
+from shardopt.kernels import build, cpu_isa, jit, loader
 
 ALGOS = {
     "adam": (shardopt.FusedAdam, torch.optim.AdamW, {"weight_decay": 0.01}),
@@ -29,12 +29,12 @@ ALGOS = {
 
 
 def modules() -> dict[str, object]:
-    detected = _build.detect_cpu_capability()
+    detected = cpu_isa.detect_cpu_capability()
     out = {}
-    for cap, name, _ in _build.cpu_isa_levels():
-        if _build.CAPABILITIES.index(cap) <= _build.CAPABILITIES.index(detected):
-            out[name] = _ops.extension() if name == "_C" else _build._import_prebuilt(name)
-    out["jit_native"] = _build._jit_build()
+    for cap, name, _ in build.cpu_isa_levels():
+        if cpu_isa.CAPABILITIES.index(cap) <= cpu_isa.CAPABILITIES.index(detected):
+            out[name] = loader.extension() if name == "_C" else loader._import_prebuilt(name)
+    out["jit_native"] = jit.jit_build()
     return out
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     mods = modules()
     print(
         f"torch {torch.__version__}, {args.threads} threads, {args.numel} fp32 params, "
-        f"{args.rounds} rounds, CPU {_build.detect_cpu_capability()}"
+        f"{args.rounds} rounds, CPU {cpu_isa.detect_cpu_capability()}"
     )
     for algo in args.algos.split(","):
         ours, theirs, kwargs = ALGOS[algo]
@@ -69,7 +69,7 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in [*mods, "torch_fused"]}
         for _ in range(args.rounds):
             for name, module in mods.items():
-                _ops._CPU = module
+                loader._CPU = module
                 start = time.perf_counter()
                 opt.step()
                 times[name].append(time.perf_counter() - start)
@@ -83,7 +83,7 @@ def main() -> None:
                 f"{algo:8s} {name:12s} min {min(ts) * 1e6:9.0f} us  median {med * 1e6:9.0f} us"
                 f"  torch_fused / this {base / med:5.2f}"
             )
-    _ops._CPU = None
+    loader._CPU = None
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Host overhead of the single-process step: every fused class on many small tensors (issue 18).
+"""Host overhead of the single-process step: every fused class on many small tensors.
 
 Per class, the median step on the GPT-2 124M tensor set (bench_kernels.py's shapes: 148 tensors),
 on 1,000 tiny tensors or on four 4M-element tensors (``16m``, where a CPU step is bound by bytes),

@@ -1,4 +1,4 @@
-"""Step time of Adam over compact state (``_compact_ops.adam_compact``) against ``_ops.adam``.
+"""Step time of Adam over compact state (``kernels.adam_compact``) against ``kernels.adam``.
 
 One flat shard of ``--numel`` elements (the distributed Adam's layout). For every master mode and
 state format it prints the median step time, the bytes the step must move (grads, params,
@@ -28,8 +28,9 @@ from bench_common import (
 )
 
 shardopt = import_shardopt()
-from shardopt import _compact_ops, _ops  # noqa: E402
+from shardopt import kernels as _ops  # noqa: E402
 from shardopt import state_codec as sc  # noqa: E402
+from shardopt.kernels import compact as _compact_ops  # noqa: E402
 
 HYPER = dict(
     lr=1e-3,
@@ -64,7 +65,7 @@ def adam_case(numel, grad_dtype, out_dtype, device):
 
 
 def compact_case(numel, grad_dtype, master, fmt, device):
-    """``_compact_ops.adam_compact`` on one flat shard; returns the step and the bytes it moves."""
+    """``kernels.adam_compact`` on one flat shard; returns the step and the bytes it moves."""
     g = torch.randn(numel, device=device).to(grad_dtype)
     x = torch.randn(numel, device=device)
     params, rems = ([x], []) if master == "fp32" else ([t] for t in sc.split_master(x))

@@ -1,7 +1,7 @@
 """shardopt: ZeRO-sharded fused multi-tensor optimizers for PyTorch (CPU and CUDA kernels)."""
 
-from shardopt._ops import cuda_available
 from shardopt._version import __version__
+from shardopt.kernels import cuda_available
 from shardopt.optimizers import (
     FusedAdagrad,
     FusedAdam,

@@ -1,6 +1,6 @@
 """``python -m shardopt``: which extension modules serve the kernels (loads or builds them)."""
 
-from shardopt._build import describe
+from shardopt.kernels.loader import describe
 
 if __name__ == "__main__":
     print(describe())

@@ -3,7 +3,7 @@
 The distributed Adam can keep, per element of a rank's shard, its fp32 master as a bf16 param plus
 a 16-bit remainder, and the moments ``m`` (``exp_avg``) and ``v`` (``exp_avg_sq``) in a compact
 format. This module defines those formats bit for bit; the fused kernels
-(``csrc/optim/state_codec.h``, used by ``_compact_ops.adam_compact``) produce the same bits, and
+(``csrc/optim/state_codec.h``, used by ``shardopt.kernels.adam_compact``) produce the same bits, and
 checkpoints decode and encode through it. Everything here is fp32 or integer arithmetic on whole
 tensors (no Python loops over elements).
 

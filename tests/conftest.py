@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from shardopt import FusedSGD, _ops
+from shardopt import FusedSGD
+from shardopt import kernels as _ops
 
 CUDA_MARKS = [
     pytest.mark.cuda,

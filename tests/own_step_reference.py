@@ -3,7 +3,7 @@
 The single-process shardopt classes count steps per param group (Apex's convention, docs/spec.md):
 a param that gets its first grad at group step 5 is bias-corrected with t = 5. torch.optim, and so
 DDP + torch.optim, counts each param's own steps, and the DistributedFused* classes follow torch:
-a param no rank computed a grad for keeps its value, state and step (issue 13, item 2). For
+a param no rank computed a grad for keeps its value, state and step. For
 LAMB and NovoGrad, which torch.optim lacks, ``OwnStepReference`` is the reference of that rule:
 one single-process optimizer per param (its group step is then that param's own step), with
 LAMB's global grad-norm clipping applied first over every grad, as one grouped LAMB would.

@@ -1,4 +1,4 @@
-"""Every tensor torch.optim takes (issue 14, items 1 and 3): params of several dtypes in one group,
+"""Every tensor torch.optim takes: params of several dtypes in one group,
 params and grads in any memory layout, and kernel calls that refuse what they cannot read; and a
 conv net trained in channels_last with fp16 convs under GradScaler, for every class.
 
@@ -19,9 +19,9 @@ from shardopt import (
     FusedMixedPrecisionLamb,
     FusedNovoGrad,
     FusedSGD,
-    _ops,
     reference,
 )
+from shardopt import kernels as _ops
 
 FP16, FP32 = torch.float16, torch.float32
 
@@ -109,7 +109,7 @@ def test_a_kernel_call_with_a_mixed_list_raises_and_ops_splits_it(device):
         match=r"adam: tensor 1 of list 0 \(Float, shape \[3\], strides \[1\]\) has another dtype "
         r"than tensor 0 of that list \(Half\)",
     ):
-        _ops._backend(device).adam(lists, **ADAM_ARGS)
+        _ops.backend(device).adam(lists, **ADAM_ARGS)
     assert all(torch.equal(p, torch.ones_like(p)) for p in lists[1])  # refused before any update
     _ops.adam(lists, **ADAM_ARGS)
     for dtype, p in zip([FP16, FP32], lists[1], strict=True):
@@ -119,12 +119,12 @@ def test_a_kernel_call_with_a_mixed_list_raises_and_ops_splits_it(device):
 
 
 def test_the_scale_kernel_takes_mixed_lists(device):
-    """GradScaler's unscale of a mixed group (the CUDA crash of issue 14) is one kernel call."""
+    """GradScaler's unscale of a mixed group (which once crashed on CUDA) is one kernel call."""
     dtypes = [FP16, FP32, torch.bfloat16, FP32]
     src = [torch.randn(s, device=device).to(d) for s, d in zip([5, 70000, 3, 2], dtypes)]
     dst = [torch.empty_like(s, dtype=d) for s, d in zip(src, reversed(dtypes))]
     flag = torch.zeros(1, device=device)
-    _ops._backend(device).scale([src, dst], 0.5, None, flag)
+    _ops.backend(device).scale([src, dst], 0.5, None, flag)
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d, (s.float() * 0.5).to(d.dtype))
     assert flag.item() == 0.0
@@ -142,11 +142,11 @@ def test_a_kernel_call_with_a_layout_it_cannot_read_raises(device):
     strided = base[:, ::2]
     grads = [torch.ones(4, 3, device=device)]
     with pytest.raises(RuntimeError, match=r"tensor 0 of list 1 .*strides \[6, 2\]\) is not dense"):
-        _ops._backend(device).sgd([grads, [strided], [strided]], **sgd)
+        _ops.backend(device).sgd([grads, [strided], [strided]], **sgd)
     param = torch.zeros(2, 3, 4, 4, device=device).to(memory_format=torch.channels_last)
     grad = torch.ones(2, 3, 4, 4, device=device)
     with pytest.raises(RuntimeError, match=r"tensor 0 of list 1 .* orders its elements unlike"):
-        _ops._backend(device).sgd([[grad], [param], [param]], **sgd)
+        _ops.backend(device).sgd([[grad], [param], [param]], **sgd)
     _ops.sgd([grads, [strided], [strided]], **sgd)
     _ops.sgd([[grad], [param], [param]], **sgd)
     assert torch.equal(base[:, ::2], torch.full((4, 3), -0.1, device=device))

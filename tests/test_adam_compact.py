@@ -11,8 +11,10 @@ import torch
 from compact_state import HYPER, Compact, make_grads
 from conftest import TOLERANCES
 
-from shardopt import _compact_ops, _ops, reference
+from shardopt import kernels as _ops
+from shardopt import reference
 from shardopt import state_codec as sc
+from shardopt.kernels import compact as _compact_ops
 
 GRADS = [
     pytest.param(torch.float32, id="g32"),

@@ -1,4 +1,4 @@
-"""Apex DistributedFusedAdam's surface on the distributed classes (issue 17, part 1): its keyword
+"""Apex DistributedFusedAdam's surface on the distributed classes: its keyword
 arguments with Apex's defaults, its methods, the groups of Apex's HSDP layout, the under-filled
 bucket warning; refused options raise NotImplementedError naming the argument. Results are
 compared with DDP + torch AdamW; tests/apex_script.py's Apex-style cases run here on gloo."""

@@ -1,4 +1,4 @@
-"""Compact storage of DistributedFusedAdam (issue 17, the memory frontier): int16 param remainders,
+"""Compact storage of DistributedFusedAdam (the smallest memory per param): int16 param remainders,
 16-bit, scaled 16-bit and 8-bit moments (see Note: compact storage in
 shardopt/zero/state_storage.py).
 

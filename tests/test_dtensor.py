@@ -1,4 +1,4 @@
-"""DTensor params in the single-process optimizers (issue 14, item 2), on 2 gloo ranks.
+"""DTensor params in the single-process optimizers (FSDP2 and tensor parallel), on 2 gloo ranks.
 
 FSDP2 (``fully_shard``) on CPU: FusedAdam/FusedSGD/FusedAdagrad match torch.optim on the same
 sharded model (state kept as DTensors, as torch's); FusedLAMB and FusedNovoGrad on FSDP2 match

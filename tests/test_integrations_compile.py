@@ -1,7 +1,8 @@
 """torch.compile (docs/integrations.md): every single-process optimizer's ``step()`` compiles
-with ``fullgraph=True`` (its kernels are ``torch.library`` custom ops, shardopt/_custom_ops.py) and
-equals the eager step; at world 2 (gloo) a compiled model trained with DistributedFusedAdam, and a
-compiled function holding the whole training step, equal the eager run."""
+with ``fullgraph=True`` (its kernels are ``torch.library`` custom ops,
+shardopt/kernels/custom_ops.py) and equals the eager step; at world 2 (gloo) a compiled model
+trained with DistributedFusedAdam, and a compiled function holding the whole training step, equal
+the eager run."""
 
 from __future__ import annotations
 
@@ -270,78 +271,3 @@ def test_mixed_group_capturable_grad_scale_compiles():
         for a, b in zip(*(m.parameters() for m in models)):
             assert_close_to(a, b, a.dtype, "param")
     assert not counters["graph_break"], dict(counters["graph_break"])
-
-
-@pytest.mark.parametrize(
-    "case",
-    ["adam", "adam_out", "sgd", "adagrad", "novograd", "novograd_step", "novograd_step_fresh",
-     "lamb_stage1", "lamb_stage1_clip", "lamb_stage1_fp64", "lamb_stage2", "lamb_stage2_squared",
-     "norm", "norm_fp64_max", "scale"],
-)  # fmt: skip
-def test_custom_op_contract(case):
-    """``torch.library.opcheck``: each op's schema, its fake implementation (shapes, dtypes and
-    devices of ``lamb_stage1``'s and ``norm``'s sums) and its traced call match the kernel."""
-    from shardopt import _custom_ops as ops
-
-    def slots(n, dtype=torch.float32):
-        return [[torch.rand(s, dtype=dtype) + 0.5 for s in ((3, 5), (7,))] for _ in range(n)]
-
-    g, p, m, v = slots(4)
-    hyper = (0.9, 0.99, 1e-6, 2, True, 0.1)  # beta1, beta2, eps, step, bias_correction, wd
-    nv = (0.1, 0.9, 0.99, 1e-8, 2, True, 0.1, True)  # lr, ..., weight_decay, grad_averaging
-    one = torch.ones(1)
-    op, args, kwargs = {
-        "adam": (ops.adam_op, (g, p, m, v, [], 0.1, 0.9, 0.99, 1e-8, 2, True, True, 0.1), {}),
-        "adam_out": (
-            ops.adam_op,
-            (g, p, m, v, [t.bfloat16() for t in p], 0.1, 0.9, 0.99, 1e-8, 2, True, True, 0.1),
-            {"step_t": one * 2, "lr_t": one * 0.1},
-        ),
-        "sgd": (ops.sgd_op, (g, p, m, [], 0.1, 0.9, 0.0, 0.1, False, True, False, 1.0), {}),
-        "adagrad": (ops.adagrad_op, (g, p, m, [], 0.1, 1e-10, 0.1, False), {}),
-        "novograd": (
-            ops.novograd_op,
-            (g, p, m, [], torch.rand(2) + 1, 0.1, 0.9, 0.99, 1e-8, 2, True, 0.1, True, 0),
-            {},
-        ),
-        "novograd_step": (
-            ops.novograd_step_op,
-            (g, p, m, [], torch.rand(2) + 1, None, *nv, 0, 2, False),
-            {},
-        ),
-        "novograd_step_fresh": (
-            ops.novograd_step_op,
-            (g, p, m, [t.bfloat16() for t in p], torch.rand(2) + 1, torch.tensor([True, False]))
-            + (*nv, 1, 0, True),
-            {"lr_t": one * 0.1},
-        ),
-        "lamb_stage1": (
-            ops.lamb_stage1_op,
-            (g, p, m, v, *hyper, True, True),
-            {"grad_scale_t": one},
-        ),
-        "lamb_stage1_clip": (
-            ops.lamb_stage1_op,
-            (g, p, m, v, *hyper, True, True),
-            {"grad_scale_t": one * 0.5, "grad_norm_sq_t": one * 9.0, "max_grad_norm": 1.0},
-        ),
-        "lamb_stage1_fp64": (
-            ops.lamb_stage1_op,
-            (*slots(4, torch.float64), *hyper, True, True),
-            {},
-        ),
-        "lamb_stage2": (
-            ops.lamb_stage2_op,
-            (p, m, v, [], torch.rand(2) + 1, torch.rand(2) + 1, 0.1, *hyper, True, False),
-            {},
-        ),
-        "lamb_stage2_squared": (
-            ops.lamb_stage2_op,
-            (p, m, v, [], torch.rand(2) + 1, torch.rand(2) + 1, 0.1, *hyper, True, False),
-            {"squared": True},
-        ),
-        "norm": (ops.norm_op, (g, False), {}),
-        "norm_fp64_max": (ops.norm_op, (slots(1, torch.float64)[0], True), {}),
-        "scale": (ops.scale_op, (g, [t.clone() for t in g], torch.zeros(1), 2.0, None), {}),
-    }[case]
-    torch.library.opcheck(op, args, kwargs)

@@ -1,33 +1,33 @@
 """The norm, scale, LAMB stage and NovoGrad step kernels and SGD's device first-run flag through
-shardopt._ops: determinism, accuracy, inf/nan, dtypes, and the work moved into the kernels (LAMB's
-clip factor and square roots, NovoGrad's norms and blend) against the torch ops it replaced."""
+shardopt.kernels: determinism, accuracy, inf/nan, dtypes, and the work moved into the kernels
+(LAMB's clip factor and square roots, NovoGrad's norms and blend) against the torch ops it
+replaced."""
 
 import math
-import re
 
 import pytest
 import torch
 from conftest import DTYPES, assert_close_to, make_tensors, skip_unsupported
 
-from shardopt import _build, _ops
+from shardopt import kernels
 
 # fp32 accumulation over 16384-element chunks (typical error sqrt(n) * 6e-8); fp64 in fp64
 NORM_TOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float64: 1e-13}
 
 
 def _shapes(device):
-    return [(278011,), (_ops.chunk_size(device) + 5,), (1,), (7,), (0,), (3, 4)]
+    return [(278011,), (kernels.chunk_size(device) + 5,), (1,), (7,), (0,), (3, 4)]
 
 
 def test_norm_is_bitwise_deterministic_across_runs_and_thread_counts(device):
     tensors = make_tensors(_shapes(device), torch.float32, device)
-    first = _ops.norm(tensors)
+    first = kernels.norm(tensors)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2, threads):
             torch.set_num_threads(n)
             for _ in range(3):
-                total, per = _ops.norm(tensors)
+                total, per = kernels.norm(tensors)
                 assert torch.equal(total, first[0]) and torch.equal(per, first[1])
     finally:
         torch.set_num_threads(threads)
@@ -37,7 +37,7 @@ def test_norm_is_bitwise_deterministic_across_runs_and_thread_counts(device):
 def test_norm_per_tensor_and_total_match_fp64(dtype, device):
     skip_unsupported(dtype, device)
     tensors = make_tensors(_shapes(device), dtype, device)
-    total, per = _ops.norm(tensors)
+    total, per = kernels.norm(tensors)
     assert total.dtype == per.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert total.shape == () and per.shape == (len(tensors),) and per.device == device
     want = torch.stack([torch.linalg.vector_norm(t.double().cpu()) for t in tensors])
@@ -53,7 +53,7 @@ def test_norm_per_tensor_and_total_match_fp64(dtype, device):
 def test_max_norm_is_exact(dtype, device):
     skip_unsupported(dtype, device)
     tensors = make_tensors(_shapes(device), dtype, device)
-    total, per = _ops.norm(tensors, max_norm=True)
+    total, per = kernels.norm(tensors, max_norm=True)
     want = [t.abs().max().double().item() if t.numel() else 0.0 for t in tensors]
     assert per.double().cpu().tolist() == want
     assert total.item() == max(want)
@@ -62,9 +62,9 @@ def test_max_norm_is_exact(dtype, device):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("max_norm", [False, True])
 def test_norm_propagates_nan_and_inf(bad, max_norm, device):
-    tensors = make_tensors([(_ops.chunk_size(device) + 100,), (5,), (3,)], torch.float32, device)
-    tensors[0][_ops.chunk_size(device) + 1] = bad
-    total, per = _ops.norm(tensors, max_norm=max_norm)
+    tensors = make_tensors([(kernels.chunk_size(device) + 100,), (5,), (3,)], torch.float32, device)
+    tensors[0][kernels.chunk_size(device) + 1] = bad
+    total, per = kernels.norm(tensors, max_norm=max_norm)
     expect_nan = math.isnan(bad)
     for value in (total.item(), per[0].item()):
         assert math.isnan(value) if expect_nan else value == math.inf
@@ -72,7 +72,7 @@ def test_norm_propagates_nan_and_inf(bad, max_norm, device):
 
 
 def test_norm_of_empty_list_is_zero():
-    total, per = _ops.norm([])
+    total, per = kernels.norm([])
     assert total.shape == () and total.item() == 0.0
     assert per.shape == (0,)
 
@@ -85,11 +85,11 @@ def test_norm_of_mixed_dtypes_is_fp32_and_correct(device):
     ]
     if device.type == "cpu":
         tensors.append(torch.randn(9, dtype=torch.float64))
-    total, per = _ops.norm(tensors)
+    total, per = kernels.norm(tensors)
     assert total.dtype == per.dtype == torch.float32
     want = torch.stack([torch.linalg.vector_norm(t.double().cpu()) for t in tensors])
     torch.testing.assert_close(per.sqrt().double().cpu(), want, rtol=1e-5, atol=0)
-    _, per_max = _ops.norm(tensors, max_norm=True)
+    _, per_max = kernels.norm(tensors, max_norm=True)
     assert per_max.cpu().tolist() == [t.abs().max().float().item() for t in tensors]
 
 
@@ -105,39 +105,39 @@ def test_norm_of_mixed_dtypes_is_fp32_and_correct(device):
 )
 def test_scale_multiplies_and_casts(src_dtype, dst_dtype, device):
     skip_unsupported(src_dtype, device)
-    src = make_tensors([(_ops.chunk_size(device) + 5,), (1,), (7,)], src_dtype, device)
+    src = make_tensors([(kernels.chunk_size(device) + 5,), (1,), (7,)], src_dtype, device)
     dst = [torch.empty_like(s, dtype=dst_dtype) for s in src]
     found_inf = torch.zeros(1, device=device)
-    _ops.scale(src, dst, found_inf, scale=0.125)
+    kernels.scale(src, dst, found_inf, scale=0.125)
     acc = torch.float64 if src_dtype == torch.float64 else torch.float32
     for s, d in zip(src, dst):
         assert torch.equal(d, (s.to(acc) * 0.125).to(dst_dtype))
     assert found_inf.item() == 0.0
     scale_t = torch.tensor([4.0], device=device)
-    _ops.scale(src, dst, found_inf, scale=0.125, scale_t=scale_t)  # the tensor wins
+    kernels.scale(src, dst, found_inf, scale=0.125, scale_t=scale_t)  # the tensor wins
     for s, d in zip(src, dst):
         assert torch.equal(d, (s.to(acc) * 4.0).to(dst_dtype))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_scale_sets_found_inf_and_works_in_place(bad, device):
-    src = make_tensors([(_ops.chunk_size(device) + 5,), (3,)], torch.float32, device)
+    src = make_tensors([(kernels.chunk_size(device) + 5,), (3,)], torch.float32, device)
     src[0][-1] = bad
     expect = [(s * 0.5) for s in src]
     found_inf = torch.zeros(1, device=device)
-    _ops.scale(src, src, found_inf, scale=0.5)
+    kernels.scale(src, src, found_inf, scale=0.5)
     assert found_inf.item() == 1.0
     torch.testing.assert_close(src[1], expect[1], rtol=0, atol=0)
     torch.testing.assert_close(src[0][:-1], expect[0][:-1], rtol=0, atol=0)
     clean = make_tensors([(5,)], torch.float32, device)
     flag = torch.zeros(1, device=device)
-    _ops.scale(clean, clean, flag, scale=2.0)
+    kernels.scale(clean, clean, flag, scale=2.0)
     assert flag.item() == 0.0
 
 
 def test_scale_of_empty_list_is_a_noop():
     flag = torch.zeros(1)
-    _ops.scale([], [], flag, scale=2.0)
+    kernels.scale([], [], flag, scale=2.0)
     assert flag.item() == 0.0
 
 
@@ -169,7 +169,7 @@ def _clone(lists):
 
 
 def _stage1(lists, adam_w_mode=True, **kwargs):
-    return _ops.lamb_stage1(
+    return kernels.lamb_stage1(
         lists, grad_averaging=True, adam_w_mode=adam_w_mode, **LAMB_ARGS, **kwargs
     )
 
@@ -235,7 +235,7 @@ def test_lamb_stage1_sums_of_mixed_dtypes_come_back_in_caller_order(device):
     signatures += [(torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
     if device.type == "cpu":
         signatures.append((torch.float64, torch.float64))
-    shapes = [(_ops.chunk_size(device) + 5,), (7,), (300,), (1,), (9,)]
+    shapes = [(kernels.chunk_size(device) + 5,), (7,), (300,), (1,), (9,)]
     parts = [_lamb_inputs([s], g, p, device) for s, (g, p) in zip(shapes, signatures)]
     lists = [[part[k][0] for part in parts] for k in range(4)]
     w_sq, u_sq = _stage1(_clone(lists))
@@ -255,7 +255,7 @@ def test_lamb_found_inf_leaves_param_and_moments_unchanged_through_both_stages(d
     params, exp_avg, exp_avg_sq = lists[1:]
     outs = [torch.full_like(p, 7.0, dtype=torch.bfloat16) for p in params]
     out_start = [o.clone() for o in outs]
-    _ops.lamb_stage2(
+    kernels.lamb_stage2(
         [params, exp_avg, exp_avg_sq, outs],
         torch.ones(len(params), device=device),
         torch.ones(len(params), device=device),
@@ -294,7 +294,7 @@ def test_lamb_stage1_clip_factor_from_the_norm_equals_a_given_grad_scale(
     """Stage 1 computes the clip factor from the grads' sum of squares on the device (no tensor op
     between the norm and the stage): the bits of stage 1 given that factor as grad_scale_t."""
     lists = _lamb_inputs(_shapes(device), torch.float32, torch.float32, device)
-    total_sq, _ = _ops.norm(lists[0])
+    total_sq, _ = kernels.norm(lists[0])
     inv = torch.tensor([0.25], device=device) if scaled else None
     a, b = _clone(lists), _clone(lists)
     got = _stage1(a, grad_norm_sq_t=total_sq, max_grad_norm=max_grad_norm, grad_scale_t=inv)
@@ -316,8 +316,8 @@ def test_lamb_stage2_takes_sums_of_squares(device):
     w_sq, u_sq = _stage1(lists)
     stage2 = dict(lr=0.1, adam_w_mode=True, use_nvlamb=False, **LAMB_ARGS)
     a, b = _clone(lists[1:]), _clone(lists[1:])
-    _ops.lamb_stage2(a, w_sq, u_sq, squared=True, **stage2)
-    _ops.lamb_stage2(b, _exact_sqrt(w_sq), _exact_sqrt(u_sq), **stage2)
+    kernels.lamb_stage2(a, w_sq, u_sq, squared=True, **stage2)
+    kernels.lamb_stage2(b, _exact_sqrt(w_sq), _exact_sqrt(u_sq), **stage2)
     assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
     assert not all(torch.equal(x, y) for x, y in zip(a[0], lists[1], strict=True))
 
@@ -351,8 +351,8 @@ def _novograd_lists(device, grad_dtype=torch.float32, param_dtype=torch.float32)
 def test_novograd_step_equals_norm_blend_and_update(
     norm_type, init_zero, grad_dtype, param_dtype, device
 ):
-    """novograd_step (one call) gives the bits of the three steps it fuses: _ops.norm, the blend
-    of blend_second_moment (torch ops) and _ops.novograd, with some params on their first update;
+    """novograd_step (one call) gives the bits of the three steps it fuses: kernels.norm, the blend
+    of blend_second_moment (torch ops) and kernels.novograd, with some params on their first update;
     the second moments come back in place."""
     from shardopt.optimizers.novograd import blend_second_moment
 
@@ -364,9 +364,9 @@ def test_novograd_step_equals_norm_blend_and_update(
     fresh = torch.tensor([i % 2 == 0 for i in range(n)], device=device)
     hyper = dict(NOVOGRAD_ARGS, init_zero=init_zero, norm_type=norm_type)
     a, v = _clone(lists), v0.clone()
-    _ops.novograd_step(a, v, fresh, **hyper)
+    kernels.novograd_step(a, v, fresh, **hyper)
     b = _clone(lists)
-    _, per = _ops.norm(b[0], max_norm=norm_type == 0)
+    _, per = kernels.norm(b[0], max_norm=norm_type == 0)
     norms = per if norm_type == 0 else _exact_sqrt(per)
     want_v = blend_second_moment(
         v0.clone(), norms, fresh, beta2=0.98, norm_type=norm_type, init_zero=init_zero
@@ -374,7 +374,7 @@ def test_novograd_step_equals_norm_blend_and_update(
     if norm_type == 2:  # the blend's own square root, exactly rounded as the kernel's
         raw = 0.98 * v0 * v0 + (1 - 0.98) * norms * norms
         want_v = torch.where(fresh, want_v, _exact_sqrt(raw))
-    _ops.novograd(b, want_v, **NOVOGRAD_ARGS)
+    kernels.novograd(b, want_v, **NOVOGRAD_ARGS)
     assert v.dtype == v0.dtype and torch.equal(v, want_v.to(v.dtype))
     for k in (1, 2):
         assert all(torch.equal(x, y) for x, y in zip(a[k], b[k], strict=True)), k
@@ -389,7 +389,7 @@ def test_novograd_step_refused_writes_nothing(device):
     v = torch.rand(len(lists[0]), device=device) + 0.5
     v_start = v.clone()
     with pytest.raises(RuntimeError, match="novograd_step: exp_avg must be"):
-        _ops._backend(device).novograd_step(
+        kernels.backend(device).novograd_step(
             lists, v, None, norm_type=2, init_zero=False, **NOVOGRAD_ARGS
         )
     assert torch.equal(v, v_start)
@@ -398,7 +398,7 @@ def test_novograd_step_refused_writes_nothing(device):
 
 
 def test_novograd_step_mixed_dtypes_write_back_each_split(device):
-    """A group whose lists mix dtypes is one kernel call per dtype signature (shardopt._ops):
+    """A group whose lists mix dtypes is one kernel call per dtype signature (kernels.dispatch):
     each call blends a slice of v, which comes back in place in the caller's order."""
     parts = [_novograd_lists(device, g, p) for g, p in
              [(torch.float32, torch.float32), (torch.float16, torch.float16)]]  # fmt: skip
@@ -406,11 +406,13 @@ def test_novograd_step_mixed_dtypes_write_back_each_split(device):
     n = len(lists[0])
     v0 = torch.rand(n, device=device) + 0.5
     v = v0.clone()
-    _ops.novograd_step(_clone(lists), v, None, norm_type=2, init_zero=False, **NOVOGRAD_ARGS)
+    kernels.novograd_step(_clone(lists), v, None, norm_type=2, init_zero=False, **NOVOGRAD_ARGS)
     for lo, hi in ((0, 3), (3, 6)):
         one = v0[lo:hi].clone()
         part = [lst[lo:hi] for lst in lists]
-        _ops.novograd_step(_clone(part), one, None, norm_type=2, init_zero=False, **NOVOGRAD_ARGS)
+        kernels.novograd_step(
+            _clone(part), one, None, norm_type=2, init_zero=False, **NOVOGRAD_ARGS
+        )
         assert torch.equal(v[lo:hi], one)
 
 
@@ -433,7 +435,7 @@ def test_sgd_device_first_run_flag_matches_host_flag(started, device):
                 "first_run_t": torch.tensor([0.0 if started else 1.0], device=device),
             }
         )
-        _ops.sgd(
+        kernels.sgd(
             [grads, params, bufs],
             lr=0.1,
             momentum=0.9,
@@ -451,20 +453,3 @@ def test_sgd_device_first_run_flag_matches_host_flag(started, device):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
         expected = g if not started else 0.9 * 0.25 + 0.5 * g
         torch.testing.assert_close(x, expected, rtol=1e-6, atol=1e-7)
-
-
-def test_build_lists_every_kernel_source_and_binds_every_kernel():
-    """_build.py's source stems and csrc/kernels.def agree with the files and the module."""
-    csrc = _build.CSRC
-    stems = {p.name[: -len("_math.h")] for p in (csrc / "optim").glob("*_math.h")}
-    assert stems - {"math_common"} == set(_build.OPTIMIZERS)
-    for name in _build.OPTIMIZERS:
-        assert (csrc / "optim" / f"{name}_cpu.cpp").is_file()
-        assert (csrc / "optim" / f"{name}_cuda.cu").is_file()
-    for name in _build.NORM_KERNELS:
-        assert (csrc / "norm" / f"{name}_cpu.cpp").is_file()
-        assert (csrc / "norm" / f"{name}_cuda.cu").is_file()
-    kernels = re.findall(r"^SHARDOPT_KERNEL\((\w+),", (csrc / "kernels.def").read_text(), re.M)
-    assert len(kernels) == len(set(kernels)) >= len(_build.OPTIMIZERS) + len(_build.NORM_KERNELS)
-    cpu = _ops.extension().cpu
-    assert sorted(kernels) == sorted(n for n in dir(cpu) if not n.startswith("_"))

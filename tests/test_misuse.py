@@ -17,9 +17,9 @@ from shardopt import (
     FusedMixedPrecisionLamb,
     FusedNovoGrad,
     FusedSGD,
-    _ops,
     checkpoint,
 )
+from shardopt import kernels as _ops
 from shardopt.zero import comm
 
 ALL = [
@@ -158,13 +158,13 @@ def test_misuse_raises(cls, build, exc, regex):
 def test_cuda_tensors_on_a_build_without_cuda_say_how_to_build(monkeypatch):
     monkeypatch.setattr(_ops.extension(), "has_cuda", False)
     with pytest.raises(RuntimeError, match=r"(?s)without CUDA.*(pip install|SHARDOPT_BUILD_CUDA)"):
-        _ops._backend(torch.device("cuda"))
+        _ops.backend(torch.device("cuda"))
     assert _ops.cuda_available() is False
 
 
 def test_unknown_device_type_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"no kernels for meta tensors"):
-        _ops._backend(torch.device("meta"))
+        _ops.backend(torch.device("meta"))
 
 
 def test_load_state_dict_of_another_algorithm_is_refused():

@@ -148,7 +148,7 @@ def test_zero_grad_keeps_zeroed_grads_by_default(device):
     assert all(p.grad is None for p in params)
 
 
-# -- fp16/bf16 params: torch.optim.SGD's param-dtype buffer and roundings (issue 14, item 4) -----
+# -- fp16/bf16 params: torch.optim.SGD's param-dtype buffer and roundings -----------------------
 
 # Hyperparameters that are not powers of 2, so every rounding point shows. ATen's CPU ops round
 # an add's alpha to the tensor dtype in their vectorised loop and, in the scalar loop over the

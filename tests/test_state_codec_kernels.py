@@ -9,8 +9,9 @@ import pytest
 import torch
 from compact_state import HYPER, Compact, make_grads
 
-from shardopt import _build, _compact_ops
 from shardopt import state_codec as sc
+from shardopt.kernels import build as _build
+from shardopt.kernels import compact as _compact_ops
 
 
 def _codec_values(n, device):

@@ -1,4 +1,4 @@
-"""The torch.optim contract of the six single-process classes (issue 14): ``add_param_group``,
+"""The torch.optim contract of the six single-process classes: ``add_param_group``,
 state-dict hooks, hyperparameter validation with torch's messages, torch.optim's common flags
 (``foreach``, ``fused``, ``maximize``, ``differentiable``), ``load_state_dict`` copying tensor
 hyperparameters, FusedMixedPrecisionLamb's per-group lr, and fp32 masters that follow writes into

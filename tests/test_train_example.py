@@ -128,3 +128,29 @@ def test_bad_flags_are_argparse_errors(tmp_path, capsys, flags, message):
         train_gpt.parse_args([f.format(**files) for f in flags])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_progress_in_a_log_file_is_one_line_per_log_interval(capsys, monkeypatch):
+    """Not on a terminal (a log file, a pipe), the progress is no tqdm bar redrawn into the log
+    but one line every --log-interval steps (train_report.Progress)."""
+    import train_report
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    progress = train_report.Progress(main=True, bar=True, total=6, initial=0)
+    assert progress.bar is None
+    for done in range(1, 7):
+        if done % 3 == 0:
+            progress.logged(done, loss=f"{1.0 / done:.4f}")
+        progress.advance()
+    progress.say("step 6: val loss 0.5000")
+    progress.close()
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "step 3/6: loss 0.3333",
+        "step 6/6: loss 0.1667",
+        "step 6: val loss 0.5000",
+    ]
+    assert "\r" not in out + err
+    quiet = train_report.Progress(main=False, bar=True, total=6, initial=0)
+    quiet.logged(3, loss="1")
+    assert capsys.readouterr().out == ""

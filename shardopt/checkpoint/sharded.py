@@ -21,7 +21,7 @@ import torch
 from shardopt.checkpoint import format as fmt
 from shardopt.checkpoint import metadata as meta
 from shardopt.checkpoint.format import CheckpointError
-from shardopt.optimizers.fused_optimizer import check_loaded_groups
+from shardopt.optimizers.state_dict import check_loaded_groups
 from shardopt.zero import comm
 from shardopt.zero.engine import DistributedOptimizer
 from shardopt.zero.layout import Range

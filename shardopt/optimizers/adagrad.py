@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.optimizers.fused_optimizer import FusedOptimizer, check_torch_flags, maximize_scale
 
 

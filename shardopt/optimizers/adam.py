@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.optimizers.fused_optimizer import (
     FusedOptimizer,
     check_torch_flags,
@@ -35,7 +35,7 @@ def adam_apply(
     **scalars: torch.Tensor | None,
 ) -> None:
     """One Adam update of the given tensors with ``group``'s hyperparameters (one kernel launch;
-    ``as_is``: see Note: lists passed as they are, shardopt/_ops.py)."""
+    ``as_is``: see Note: lists passed as they are, shardopt/kernels/dispatch.py)."""
     beta1, beta2 = group["betas"]
     _ops.adam(
         [grads, params, exp_avg, exp_avg_sq] + ([outs] if outs is not None else []),

@@ -1,53 +1,33 @@
 """DTensor params (FSDP2 ``fully_shard``, tensor parallel) in the single-process optimizers.
 
-All DTensor handling lives here. The kernels only see plain tensors: ``shardopt._ops`` passes every
-tensor through :func:`local` (a DTensor's local shard, a view of its storage, so in-place updates
-land in the param). State is created with ``zeros_like(param)`` and so is a DTensor with the
-param's placements, as torch.optim's is (its state dict holds DTensors, which
+The kernels only see plain tensors: ``shardopt.kernels`` passes every tensor through :func:`local`
+(a DTensor's local shard, a view of its storage, so in-place updates land in the param;
+``shardopt.kernels.dtensor``, re-exported here). State is created with ``zeros_like(param)`` and so
+is a DTensor with the param's placements, as torch.optim's is (its state dict holds DTensors, which
 ``torch.distributed.checkpoint`` saves and reshards). Elementwise rules (Adam, SGD, Adagrad) need
-nothing else. Per-tensor reductions (LAMB's global grad norm and trust-ratio norms, NovoGrad's
-grad norms) are taken on the local shards and completed by :func:`reduce_per_tensor`, an
-all-reduce over the mesh dimensions each tensor is sharded on, so the result equals the unsharded
-optimizer's. Any other tensor subclass is rejected by :func:`check_param_types` (the kernels read
-raw storage, which a wrapper subclass does not have).
+nothing else. Per-tensor reductions (LAMB's global grad norm and trust-ratio norms, NovoGrad's grad
+norms) are taken on the local shards and completed by :func:`reduce_per_tensor`, an all-reduce over
+the mesh dimensions each tensor is sharded on, so the result equals the unsharded optimizer's. Any
+other tensor subclass is rejected by :func:`check_param_types` (the kernels read raw storage, which
+a wrapper subclass does not have).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 import torch
 
+from shardopt.kernels.dtensor import any_dtensor, is_dtensor, local, local_lists
 
-def _dtensor_class() -> type | None:
-    """DTensor, if ``torch.distributed.tensor`` was imported (else no DTensor can exist: it is
-    not imported here, which keeps ``import shardopt`` light)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    cls = _dtensor_class()
-    return cls is not None and isinstance(t, cls)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor the kernels update: a DTensor's local shard (a view of it), else ``t``."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def local_lists(lists: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    """``lists`` with every DTensor replaced by its local shard (no-op without DTensors)."""
-    cls = _dtensor_class()
-    if cls is None:
-        return [list(lst) for lst in lists]
-    return [[t.to_local() if isinstance(t, cls) else t for t in lst] for lst in lists]
-
-
-def any_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
-    cls = _dtensor_class()
-    return cls is not None and any(isinstance(t, cls) for t in tensors)
+__all__ = [
+    "any_dtensor",
+    "check_param_types",
+    "is_dtensor",
+    "local",
+    "local_lists",
+    "reduce_per_tensor",
+]
 
 
 def check_param_types(params: Sequence[torch.Tensor], owner: str, first_index: int = 0) -> None:

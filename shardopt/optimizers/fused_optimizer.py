@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.optimizers.dtensor import check_param_types
 from shardopt.optimizers.masters import ParamVersions
 from shardopt.optimizers.state_dict import TorchStateDict
@@ -54,21 +54,6 @@ def check_grad(p: torch.Tensor, owner: str) -> None:
             f"{owner} does not support sparse gradients, please consider torch.optim.SparseAdam "
             "instead"
         )
-
-
-def check_loaded_groups(saved_groups: list[dict], param_groups: list[dict], owner: str) -> None:
-    """A loaded state dict must have this optimizer's number of groups and params per group."""
-    if len(saved_groups) != len(param_groups):
-        raise ValueError(
-            f"{owner}: the state dict has {len(saved_groups)} param groups, this optimizer has "
-            f"{len(param_groups)}"
-        )
-    for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
-        if len(g["params"]) != len(sg["params"]):
-            raise ValueError(
-                f"{owner}: param group {i} of the state dict has {len(sg['params'])} params, "
-                f"this optimizer's has {len(g['params'])}"
-            )
 
 
 def reject_amsgrad(amsgrad: bool, owner: str) -> None:
@@ -314,7 +299,7 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
 
     def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
         """The kernel calls of one group's update (``as_is``: see Note: lists passed as they are,
-        shardopt/_ops.py)."""
+        shardopt/kernels/dispatch.py)."""
         raise NotImplementedError
 
     def _update_group(self, group: dict, params: list, grads: list) -> tuple | None:
@@ -421,7 +406,7 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
     def _masters(self, params: list) -> tuple[list, list | None]:
         """(math params, outs): the fp32 master of each param that keeps one (the kernel writes
         the rounded param into its out slot) and the param itself, with no out, for the others;
-        a group may mix both (one kernel call per dtype signature, in shardopt._ops)."""
+        a group may mix both (one kernel call per dtype signature, in shardopt.kernels)."""
         if not any(self._keeps_master(p) for p in params):
             return params, None
         masters, outs = [], []

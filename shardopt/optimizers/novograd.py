@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.optimizers import dtensor
 from shardopt.optimizers.fused_optimizer import (
     FusedOptimizer,

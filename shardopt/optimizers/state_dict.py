@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.optimizers.step_plan import ParamState
 
 
@@ -42,6 +42,21 @@ def _load_hyper(current: Any, saved: Any, written: set[int]) -> Any:
     if torch.is_tensor(saved) and torch.is_tensor(current):
         return saved.detach().to(current.device).clone()
     return copy.deepcopy(saved)
+
+
+def check_loaded_groups(saved_groups: list[dict], param_groups: list[dict], owner: str) -> None:
+    """A loaded state dict must have this optimizer's number of groups and params per group."""
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"{owner}: the state dict has {len(saved_groups)} param groups, this optimizer has "
+            f"{len(param_groups)}"
+        )
+    for i, (g, sg) in enumerate(zip(param_groups, saved_groups)):
+        if len(g["params"]) != len(sg["params"]):
+            raise ValueError(
+                f"{owner}: param group {i} of the state dict has {len(sg['params'])} params, "
+                f"this optimizer's has {len(g['params'])}"
+            )
 
 
 #: per-param state keys every optimizer accepts besides its own state names
@@ -123,8 +138,6 @@ class TorchStateDict:
             post_hook(self)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from shardopt.optimizers.fused_optimizer import check_loaded_groups
-
         saved_groups = state_dict["param_groups"]
         check_loaded_groups(saved_groups, self.param_groups, type(self).__name__)
         check_state_keys(state_dict["state"], self.state_names, type(self).__name__)

@@ -3,11 +3,12 @@
 Note: step plans
 The fused kernels take a whole param group in one launch, so on small tensors the step is bound
 by the host work around that launch: looping over the params, building the tensor lists, looking
-up state, grouping by dtype and layout (issue 18). A ``GroupPlan`` keeps, per param group, what
+up state, grouping by dtype and layout. A ``GroupPlan`` keeps, per param group, what
 the general path of the step worked out: the params that have grads, the tensors the kernels
 take besides the grads (state, masters, low-precision outs) and whether those lists fit the
-kernels as they are (shardopt/_ops.py, Note: lists passed as they are). A later step reuses it
-after checks that are C-level loops (``map``) over the group's params, never a Python loop:
+kernels as they are (shardopt/kernels/dispatch.py, Note: lists passed as they are). A later step
+reuses it after checks that are C-level loops (``map``) over the group's params, never a
+Python loop:
 
 - the group dict and its ``params`` list hold the same objects (``add_param_group``, a group
   edited in place or ``param_groups`` replaced);
@@ -20,7 +21,7 @@ after checks that are C-level loops (``map``) over the group's params, never a P
 Anything else that can make the lists stale changes a tensor behind an unchanged object: a param
 re-bound through ``p.data`` to another dtype, layout or device, a grad with other strides. The
 kernels check every tensor before writing anything, so such a step is refused and fitted again
-by ``shardopt._ops`` exactly as the general path would; the lists themselves are the ones the
+by ``shardopt.kernels`` exactly as the general path would; the lists themselves are the ones the
 general path builds. ``load_state_dict`` and ``add_param_group`` drop every plan; a group that
 fails its checks runs the general path, which plans it again. A plain dict put into
 ``optimizer.state`` by hand becomes a ``ParamState`` (a copy) at that group's next general step.
@@ -37,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")

@@ -7,19 +7,22 @@ all-reduced sum of squares of the grads, so it is the same on every rank.
 
 GradScaler: this optimizer owns its grads (they live in its buckets, not in ``param.grad``), so it
 sets ``_step_supports_amp_scaling`` and receives the scaler in ``step(grad_scaler=...)``, the
-contract torch documents for such optimizers. torch offers such an optimizer no public way to
-read the scale without a host sync or to report its inf/nan decision to ``scaler.update()``;
-``_ScalerLink`` is the one place that touches the scaler's internals for that.
+contract torch documents for such optimizers. ``_ScalerLink`` talks to the scaler through its
+public methods only: the loss scale is ``scaler.scale(ones)`` (a device tensor, no host sync),
+and the overflow decision reaches ``scaler.update()`` through ``scaler.unscale_`` of a one-element
+probe optimizer whose grad is the all-reduced sum of squares (non-finite exactly when a grad is).
+The scaler cannot be asked whether ``unscale_(optimizer)`` was called, and the optimizer's grads
+are never unscaled in place, so ``clip()`` returns the unscaled norm whenever it knows a scaler
+(the one given to it, else the one the last ``step()`` received): the norm it clips by.
 """
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels
 from shardopt.zero import comm
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.sharded_params import ShardedParams
@@ -37,25 +40,21 @@ class StepScalars:
 class _ScalerLink:
     """What this optimizer reads from and reports to a GradScaler (see the module docstring)."""
 
-    def __init__(self, scaler, device: torch.device) -> None:
-        self.scaler = scaler
+    def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._ones = torch.ones(1, dtype=torch.float32, device=device)
+        # the scaler records found_inf per optimizer it unscaled; this one carries ours
+        self._flag = torch.zeros(1, dtype=torch.float32, device=device)
+        self._probe = torch.optim.SGD([self._flag], lr=0.0)
 
-    def scale(self) -> torch.Tensor:
+    def scale(self, scaler) -> torch.Tensor:
         """The current loss scale as a device tensor (no host sync)."""
-        return self.scaler._get_scale_async().to(self.device, torch.float32).reshape(1)
+        return scaler.scale(self._ones).to(self.device, torch.float32).reshape(1)
 
-    def unscaled(self, optimizer) -> bool:
-        """Whether ``scaler.unscale_(optimizer)`` was called in this iteration."""
-        from torch.amp.grad_scaler import OptState
-
-        state = self.scaler._per_optimizer_states.get(id(optimizer))
-        return state is not None and state["stage"] is OptState.UNSCALED
-
-    def report(self, optimizer, found_inf: torch.Tensor) -> None:
-        """Hands the overflow decision to ``scaler.update()``."""
-        state = self.scaler._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = {self.device: found_inf.reshape(())}
+    def report(self, scaler, sumsq: torch.Tensor) -> None:
+        """Hands the overflow decision (``sumsq`` not finite) to ``scaler.update()``."""
+        self._flag.grad = sumsq.detach().to(self.device, torch.float32).reshape(1).clone()
+        scaler.unscale_(self._probe)
 
 
 class AmpClip:
@@ -75,9 +74,9 @@ class AmpClip:
         self.process_group = process_group
         self.grad_factor = grad_factor  # 1/ranks when averaging, else 1
         self.capturable = capturable
-        #: the GradScaler last handed to step() (to answer clip_grad_norm after unscale_)
+        #: the GradScaler last handed to step() (clip() returns the norm it unscales)
         self._scaler = None
-        self._searched = False
+        self._link = _ScalerLink(sharded.device)
         self.reset()
 
     def reset(self) -> None:
@@ -91,7 +90,7 @@ class AmpClip:
             device = self.sharded.device
             total = torch.zeros(1, dtype=torch.float32, device=device)
             for key in self.sharded.keys:
-                sq, _ = _ops.norm([key.buffers.grad_shard])
+                sq, _ = kernels.norm([key.buffers.grad_shard])
                 total += sq.to(device, torch.float32)
             comm.all_reduce(total, self.process_group)
             self._sumsq = total
@@ -101,31 +100,16 @@ class AmpClip:
         return (self.global_sumsq().sqrt() * self.grad_factor).reshape(())
 
     def clip(self, optimizer, max_norm: float, grad_scaler=None) -> torch.Tensor:
-        """Arms clipping for the next step; the norm before clipping, unscaled when
-        ``scaler.unscale_(optimizer)`` was called (the scaler is the one given, else the one
-        the last step received), as ``torch.nn.utils.clip_grad_norm_`` returns it."""
+        """Arms clipping for the next step; returns the norm before clipping, unscaled when a
+        GradScaler is known (``grad_scaler``, else the one the last step received): the norm of
+        the grads ``step()`` clips, as ``torch.nn.utils.clip_grad_norm_`` returns it after
+        ``scaler.unscale_(optimizer)``."""
         self.max_norm = float(max_norm)
         norm = self.grad_norm()
         scaler = grad_scaler if grad_scaler is not None else self._scaler
-        if scaler is None and not self._searched:
-            scaler = self._search_scaler(optimizer)
         if scaler is not None and scaler.is_enabled():
-            link = _ScalerLink(scaler, self.sharded.device)
-            if link.unscaled(optimizer):
-                norm = norm / link.scale().reshape(())
+            norm = norm / self._link.scale(scaler).reshape(())
         return norm
-
-    def _search_scaler(self, optimizer):
-        """The first clip of a run, before any step() handed the scaler over: the GradScaler
-        that ``unscale_``-d this optimizer, found once among the live objects."""
-        self._searched = True
-        for obj in gc.get_objects():
-            # type(), not isinstance(): a dead weakref.proxy raises on any attribute access
-            if issubclass(type(obj), torch.amp.GradScaler) and obj.is_enabled():
-                if _ScalerLink(obj, self.sharded.device).unscaled(optimizer):
-                    self._scaler = obj
-                    return obj
-        return None
 
     def step_scalars(self, optimizer, grad_scaler, needs_grad_norm: bool) -> StepScalars:
         """The scalars of this step; reports the overflow decision to the scaler."""
@@ -142,10 +126,9 @@ class AmpClip:
             sumsq = self.global_sumsq()
         if scaler is not None:
             self._scaler = scaler
-            link = _ScalerLink(scaler, device)
-            grad_scale = grad_scale * link.scale().reciprocal()
+            grad_scale = grad_scale * self._link.scale(scaler).reciprocal()
             found_inf = (~torch.isfinite(sumsq)).float().reshape(1)
-            link.report(optimizer, found_inf)
+            self._link.report(scaler, sumsq)
         if self.max_norm is not None:
             norm = sumsq.sqrt() * grad_scale  # unscaled, averaged
             grad_scale = grad_scale * torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)

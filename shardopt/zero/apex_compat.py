@@ -31,13 +31,15 @@ Mapping (Apex argument -> shardopt):
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from shardopt.zero import comm
+from shardopt.zero import comm, sharded_params
+from shardopt.zero.settings import check_settings
 
 #: Apex keyword -> its default (every one accepted by the distributed classes)
 APEX_DEFAULTS: dict[str, Any] = {
@@ -182,7 +184,7 @@ class ApexSurface:
         except (TypeError, ValueError, NotImplementedError) as e:
             error = e
         comm.raise_if_any(error, self.process_group)
-        self._replan(changed)
+        replan(self, changed)
 
     def _dtype_changes(self, chosen, grad_sync_dtype, param_sync_dtype) -> dict:
         """{engine param index: (grad-sync, param-sync dtype)} of the params whose dtypes change."""
@@ -227,3 +229,54 @@ class ApexSurface:
                     f"{type(self).__name__}.{method}: a param {tuple(p.shape)} is not one of "
                     "this optimizer's params"
                 )
+
+
+def replan(self, per_param: dict[int, tuple[torch.dtype, torch.dtype]]) -> None:
+    """``init_params`` of the optimizer ``self`` with other dtypes for some params (none: nothing
+    to do): re-plans every key with them, before any grad arrived (nothing but the params' values
+    to carry over). Collective: every rank must ask for the same."""
+    name = type(self).__name__
+    error = None
+    started = per_param and (
+        any(float(g["step"]) > 0 for g in self.param_groups)
+        or self.grad_sync.iteration.arrived
+        or any(k.buffers.grad_buckets for k in self.keys)
+    )
+    if started:
+        error = RuntimeError(
+            f"{name}.init_params: per-param dtypes must be set before the first backward "
+            "(the params are then planned into buckets of those dtypes); this optimizer "
+            "already received grads"
+        )
+    elif per_param and self._user_buffers is not None:
+        error = NotImplementedError(
+            f"{name}.init_params: per-param dtypes with nccl_ub=True (the registered pool "
+            "was sized for the layout planned at construction); pass the dtypes to the "
+            "constructor or build one optimizer per dtype"
+        )
+    for grad_dtype, sync_dtype in per_param.values():
+        try:
+            check_settings(
+                name, grad_dtype, sync_dtype, self.capturable, self.overlap_param_sync,
+                self.bucket_cap_mb,
+            )  # fmt: skip
+        except (TypeError, ValueError) as e:
+            error = error or e
+    comm.raise_if_any(error, self.process_group)
+    asked = comm.all_gather_object(sorted(per_param.items()), self.process_group)
+    if any(other != asked[0] for other in asked):
+        raise ValueError(
+            f"{name}.init_params: the per-param dtypes asked for differ between ranks (every "
+            "rank must call init_params with the same params and dtypes)"
+        )
+    if not per_param:
+        return
+    merged = {i: (g, s) for i, g, s in self.config.per_param}
+    merged.update(per_param)
+    self.param_sync.close()
+    self.grad_sync.remove_hooks()
+    sharded_params.release(self.params, self)
+    self.config = dataclasses.replace(
+        self.config, per_param=tuple((i, g, s) for i, (g, s) in sorted(merged.items()))
+    )
+    self._build(name)

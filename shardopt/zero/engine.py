@@ -48,14 +48,13 @@ A ``torch.compile(module)`` wrapper runs no module hooks inside its graph, so th
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
 from shardopt.zero import (
     apex_compat,
@@ -246,56 +245,6 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         sharded_params.claim(self.params, self)
         weakref.finalize(self, sharded_params.release, list(self.params), None)
 
-    def _replan(self, per_param: dict[int, tuple[torch.dtype, torch.dtype]]) -> None:
-        """``init_params`` with other dtypes for some params (none: nothing to do): re-plans
-        every key with them, before any grad arrived (nothing but the params' values to carry
-        over). Collective: every rank must ask for the same."""
-        name = type(self).__name__
-        error = None
-        started = per_param and (
-            any(float(g["step"]) > 0 for g in self.param_groups)
-            or self.grad_sync.iteration.arrived
-            or any(k.buffers.grad_buckets for k in self.keys)
-        )
-        if started:
-            error = RuntimeError(
-                f"{name}.init_params: per-param dtypes must be set before the first backward "
-                "(the params are then planned into buckets of those dtypes); this optimizer "
-                "already received grads"
-            )
-        elif per_param and self._user_buffers is not None:
-            error = NotImplementedError(
-                f"{name}.init_params: per-param dtypes with nccl_ub=True (the registered pool "
-                "was sized for the layout planned at construction); pass the dtypes to the "
-                "constructor or build one optimizer per dtype"
-            )
-        for grad_dtype, sync_dtype in per_param.values():
-            try:
-                check_settings(
-                    name, grad_dtype, sync_dtype, self.capturable, self.overlap_param_sync,
-                    self.bucket_cap_mb,
-                )  # fmt: skip
-            except (TypeError, ValueError) as e:
-                error = error or e
-        comm.raise_if_any(error, self.process_group)
-        asked = comm.all_gather_object(sorted(per_param.items()), self.process_group)
-        if any(other != asked[0] for other in asked):
-            raise ValueError(
-                f"{name}.init_params: the per-param dtypes asked for differ between ranks (every "
-                "rank must call init_params with the same params and dtypes)"
-            )
-        if not per_param:
-            return
-        merged = {i: (g, s) for i, g, s in self.config.per_param}
-        merged.update(per_param)
-        self.param_sync.close()
-        self.grad_sync.remove_hooks()
-        sharded_params.release(self.params, self)
-        self.config = dataclasses.replace(
-            self.config, per_param=tuple((i, g, s) for i, (g, s) in sorted(merged.items()))
-        )
-        self._build(name)
-
     # settings read by scripts and benchmarks
     state_dtype = property(lambda self: self.config.state_dtype)
     storage = property(lambda self: self.config.storage)
@@ -366,9 +315,9 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 the one ``step()`` received is known).
 
         Returns:
-            The total norm before clipping (a device scalar): of the unscaled grads after
-            ``scaler.unscale_(optimizer)``, as ``torch.nn.utils.clip_grad_norm_`` returns it,
-            else of the grads as they are (loss-scaled under a GradScaler).
+            The total norm before clipping (a device scalar), unscaled when a GradScaler is known
+            (the norm the step clips by, as ``torch.nn.utils.clip_grad_norm_`` returns it after
+            ``scaler.unscale_(optimizer)``), else of the grads as they are.
         """
         return self.amp.clip(self, max_norm, grad_scaler)
 
@@ -533,9 +482,9 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     def sharded_state_dict(self, model: torch.nn.Module | None = None) -> dict[str, Any]:
         """The state as DTensors for ``torch.distributed.checkpoint``, keyed by ``model``'s FQNs
-        when given (collective); see ``shardopt.checkpoint.dcp``. Load with ``dcp.load`` then
+        when given (collective); see ``shardopt.zero.dcp_state``. Load with ``dcp.load`` then
         ``load_sharded_state_dict``."""
-        from shardopt.checkpoint.dcp import sharded_state_dict
+        from shardopt.zero.dcp_state import sharded_state_dict
 
         self._arrive("sharded_state_dict()")
         return sharded_state_dict(self, model)
@@ -544,7 +493,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self, state_dict: dict[str, Any], model: torch.nn.Module | None = None
     ) -> None:
         """Finishes a ``torch.distributed.checkpoint.load`` into ``sharded_state_dict()``."""
-        from shardopt.checkpoint.dcp import load_sharded_state_dict
+        from shardopt.zero.dcp_state import load_sharded_state_dict
 
         self._arrive("load_sharded_state_dict()")
         load_sharded_state_dict(self, state_dict, model)

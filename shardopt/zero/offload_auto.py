@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from shardopt import _ops, state_codec
+from shardopt import kernels as _ops
+from shardopt import state_codec
 from shardopt.zero import comm, host_state
 from shardopt.zero.offload_plan import CPUOffload, OffloadPlan, plan_fraction, thread_budget
 from shardopt.zero.state_storage import Storage

@@ -142,7 +142,7 @@ class DistributedFusedAdam(DistributedOptimizer):
     def _update_compact(self, group: dict, buf, call, scalars: StepScalars) -> None:
         """One kernel call over compact storage (see Note: compact storage in
         state_storage.py); a separate fp32 master's low-precision copy is written after it."""
-        from shardopt import _compact_ops
+        from shardopt.kernels import compact as _compact_ops
 
         masters = call.of(buf.master)
         scales = [call.blocks_of(buf.scales[n]) if buf.scales else [] for n in self.state_names]
@@ -412,7 +412,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
         self.second_moment = torch.zeros(len(self.params), dtype=torch.float32, device=self.device)
 
     def _update(self, scalars: StepScalars) -> None:
-        from shardopt import _ops
+        from shardopt import kernels as _ops
         from shardopt.optimizers.novograd import novograd_apply
 
         n = len(self.params)

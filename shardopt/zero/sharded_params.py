@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from shardopt import _ops
+from shardopt import kernels as _ops
 from shardopt.optimizers.fused_optimizer import LOW_PRECISION
 from shardopt.zero import comm, host_state
 from shardopt.zero.flat_buffer import KeyBuffers

@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from shardopt.optimizers.fused_optimizer import check_loaded_groups
-from shardopt.optimizers.state_dict import check_state_keys
+from shardopt.optimizers.state_dict import check_loaded_groups, check_state_keys
 from shardopt.zero import comm, state_storage
 from shardopt.zero.layout import Range
 from shardopt.zero.sharded_params import describe_hyperparams, raise_if_hyperparams_differ

@@ -2,7 +2,9 @@
 
 Their grads never appear in ``param.grad`` (they are reduce-scattered into the optimizer's shards
 during backward), so torch's function would find no grads, return 0 and clip nothing. ``install()``
-(called when a distributed optimizer is built) wraps ``torch.nn.utils.clip_grad_norm_`` so that:
+(called when the first distributed optimizer is built; later calls do nothing) replaces
+``torch.nn.utils.clip_grad_norm_`` (and ``clip_grad_value_``), once per process, by one wrapper
+that routes them:
 
 - a call whose params include params of a ``DistributedFused*`` optimizer is routed to
   ``optimizer.clip_grad_norm(max_norm)`` when the params are exactly that optimizer's trainable
@@ -15,12 +17,18 @@ during backward), so torch's function would find no grads, return 0 and clip not
 
 Calls without such params go to torch's function unchanged. ``error_if_nonfinite`` and
 ``foreach`` are accepted; with ``error_if_nonfinite=True`` the norm is checked (a host sync).
+
+The switch: ``set_routing(False)`` (or ``SHARDOPT_ROUTE_TORCH_CLIP=0`` in the environment before
+the first optimizer is built) makes the wrapper hand every call to torch's function unchanged, as
+if it were not there (DistributedFused* grads are then clipped only by
+``optimizer.clip_grad_norm``); ``set_routing(True)`` turns it back on. ``routing()`` says which.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -29,6 +37,19 @@ from shardopt.zero.sharded_params import owner_of
 log = logging.getLogger("shardopt.integrations")
 
 _installed = False
+_routing = os.environ.get("SHARDOPT_ROUTE_TORCH_CLIP", "1") != "0"
+
+
+def set_routing(enabled: bool) -> None:
+    """Turns the routing of ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on or off
+    (see the module docstring); the wrapper stays installed and passes calls through when off."""
+    global _routing
+    _routing = bool(enabled)
+
+
+def routing() -> bool:
+    """Whether calls on DistributedFused* params are routed to their optimizer."""
+    return _routing
 
 
 def _as_list(parameters) -> list[torch.Tensor]:
@@ -72,6 +93,8 @@ def clip_grad_norm_(
     parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, *, _torch=None
 ):
     params = _as_list(parameters)
+    if not _routing:
+        return _torch(params, max_norm, norm_type, error_if_nonfinite, foreach)
     opt = _route(params, "torch.nn.utils.clip_grad_norm_")
     if opt is None:
         return _torch(params, max_norm, norm_type, error_if_nonfinite, foreach)
@@ -92,6 +115,8 @@ def clip_grad_norm_(
 
 def clip_grad_value_(parameters, clip_value, foreach=None, *, _torch=None):
     params = _as_list(parameters)
+    if not _routing:
+        return _torch(params, clip_value, foreach)
     owners = [o for o in map(owner_of, params) if o is not None]
     if owners:
         raise RuntimeError(
@@ -103,7 +128,8 @@ def clip_grad_value_(parameters, clip_value, foreach=None, *, _torch=None):
 
 
 def install() -> None:
-    """Wraps ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (idempotent)."""
+    """Wraps ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``, once per process (later
+    calls, and calls after another library re-wrapped them over ours, do nothing)."""
     global _installed
     if _installed:
         return

@@ -88,7 +88,7 @@ _OWN: list = []  # the one CUDAPluggableAllocator of this process (torch keeps i
 def _own_allocator() -> tuple[object | None, str | None]:
     if _OWN:
         return _OWN[0], None
-    from shardopt import _ops
+    from shardopt import kernels as _ops
 
     path = _ops.extension().__file__
     library = ctypes.CDLL(path)

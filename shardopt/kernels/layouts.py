@@ -1,6 +1,6 @@
 """Fitting tensor lists to the kernels: which lists the kernels take as they are, and dense
 temporaries for the tensors they cannot read as flat storage (see Note: layouts). Pure torch; the
-dispatch point ``shardopt._ops`` calls it."""
+dispatch point ``shardopt.kernels.dispatch`` calls it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import operator
 from collections.abc import Sequence
 
 import torch
+
+from shardopt.kernels.dtensor import any_dtensor
 
 Tensor = torch.Tensor
 TensorLists = Sequence[Sequence[Tensor]]
@@ -19,13 +21,13 @@ TensorLists = Sequence[Sequence[Tensor]]
 # order their elements alike; the C++ check (csrc/multi_tensor/checks.h) refuses anything else.
 # torch.optim creates state with the param's strides (``zeros_like``, preserve_format), as the
 # optimizers here do, and AccumulateGrad gives grads the param's strides, so in practice every
-# position already qualifies and the lists go to the kernel as they are. Otherwise ``_layouts``
-# makes it so, position by position: the param (``param_slot``) sets the layout (a param that is
-# not dense, e.g. ``base[:, ::2]``, is replaced by a dense copy laid out as ``empty_like`` lays
-# it out, which is also the layout of state created for it), and every other tensor laid out
-# differently (a grad with other strides, state loaded from a checkpoint of another layout) is
-# copied into a temporary of that layout. After the kernel, the temporaries of the slots the
-# kernel writes are copied back. Alignment needs nothing here: the CPU loops take any address,
+# position already qualifies and the lists go to the kernel as they are. Otherwise
+# ``dense_temporaries`` makes it so, position by position: the param (``param_slot``) sets the
+# layout (a param that is not dense, e.g. ``base[:, ::2]``, is replaced by a dense copy laid out as
+# ``empty_like`` lays it out, which is also the layout of state created for it), and every other
+# tensor laid out differently (a grad with other strides, state loaded from a checkpoint of another
+# layout) is copied into a temporary of that layout. After the kernel, the temporaries of the slots
+# the kernel writes are copied back. Alignment needs nothing here: the CPU loops take any address,
 # and the CUDA traversal takes its 16-byte vector path only where the slots' addresses allow it
 # (csrc/multi_tensor/cuda_elementwise.cuh).
 
@@ -33,7 +35,7 @@ _DTYPE = operator.attrgetter("dtype")
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
-def _as_they_are(lists: TensorLists, mixed_dtypes: bool) -> bool:
+def as_they_are(lists: TensorLists, mixed_dtypes: bool) -> bool:
     """True when the kernel takes ``lists`` unchanged, in one call: every tensor contiguous and,
     unless the kernel dispatches per tensor, one dtype per slot (the common case; C-level loops)."""
     try:
@@ -66,7 +68,7 @@ def same_layout(t: Tensor, ref: Tensor) -> bool:
     return all(a == b for a, b, n in zip(t.stride(), ref.stride(), t.shape) if n != 1)
 
 
-def _layouts(
+def dense_temporaries(
     name: str, lists: list[list[Tensor]], param_slot: int, writes: Sequence[int]
 ) -> tuple[list[list[Tensor]], list[tuple[Tensor, Tensor]]]:
     """``lists`` with every position readable as flat storage, and the (tensor, temporary) pairs
@@ -108,7 +110,7 @@ def _layouts(
     return out, list(back.values())
 
 
-def _signature_groups(lists: TensorLists) -> list[tuple[list[int], list[int]]]:
+def signature_groups(lists: TensorLists) -> list[tuple[list[int], list[int]]]:
     """(positions, slots present) per dtype signature of ``lists``, in first-seen order.
 
     A None entry (only in the last slot, the out) leaves that slot out of its positions' call.
@@ -128,6 +130,4 @@ def _signature_groups(lists: TensorLists) -> list[tuple[list[int], list[int]]]:
 def fits_as_is(lists: TensorLists) -> bool:
     """Whether every kernel call over (subsets of the slots of) ``lists`` can take them as they
     are: plain tensors, all contiguous, one dtype per slot. See Note: lists passed as they are."""
-    from shardopt.optimizers.dtensor import any_dtensor
-
-    return _as_they_are(lists, mixed_dtypes=False) and not any(map(any_dtensor, lists))
+    return as_they_are(lists, mixed_dtypes=False) and not any(map(any_dtensor, lists))

@@ -1,14 +1,15 @@
-"""The compact-state Adam kernel entry: Adam/AdamW over DistributedFusedAdam's compact storage
-(int16 remainders, 16-bit, scaled fp16 and int8 moments; docs/spec.md "Compact state formats"),
-dispatched to the ``adam_compact`` (elementwise formats) or ``adam_blockwise`` (per-block
-scales) kernels of ``_ops``' backend for the tensors' device."""
+"""The compact-state entry: Adam/AdamW over DistributedFusedAdam's compact storage (int16
+remainders, 16-bit, scaled fp16 and int8 moments; docs/spec.md "Compact state formats"), checked
+against its ``state_format`` and run by the ``adam_compact`` (elementwise formats) or
+``adam_blockwise`` (per-block scales) kernel (``kernels.ops``)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
 from shardopt import state_codec
-from shardopt._ops import TensorLists, _backend
+from shardopt.kernels import ops
+from shardopt.kernels.dispatch import TensorLists
 
 _COMPACT_SLOTS = (
     "grads",
@@ -87,21 +88,19 @@ def adam_compact(
         )
     if not lists[0]:
         return
-    kernel = getattr(
-        _backend(lists[0][0].device), "adam_blockwise" if blockwise else "adam_compact"
-    )
+    kernel = ops.adam_blockwise if blockwise else ops.adam_compact
     kernel(
         lists,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        step,
-        adam_w_mode,
-        bias_correction,
-        weight_decay,
-        lr_t,
-        step_t,
-        grad_scale_t,
-        found_inf_t,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        step=step,
+        adam_w_mode=adam_w_mode,
+        bias_correction=bias_correction,
+        weight_decay=weight_decay,
+        lr_t=lr_t,
+        step_t=step_t,
+        grad_scale_t=grad_scale_t,
+        found_inf_t=found_inf_t,
     )

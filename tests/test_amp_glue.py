@@ -1,0 +1,130 @@
+"""The AMP glue of the ZeRO optimizers (shardopt/zero/amp.py) and torch's clip routing
+(shardopt/zero/torch_clip.py): GradScaler only through its public methods (no private state, no
+scan of live objects), clip_grad_norm's returned norm under a scaler, and the routing switch.
+On gloo at worlds 1 and 2, against DDP + torch.optim.AdamW + torch's own GradScaler and clip."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from dist_harness import run_cases
+
+import shardopt
+from shardopt.zero import amp, torch_clip
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+    return nn.functional.mse_loss(model(x), y) * 50.0  # large grads: clipping is active
+
+
+def test_amp_glue_uses_only_public_grad_scaler_methods():
+    """No attribute access with a leading underscore on anything but ``self`` and modules of
+    shardopt, and no ``gc``: the scaler is read and told only through public methods."""
+    tree = ast.parse(Path(amp.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "gc" not in imported
+    private = [
+        f"{ast.unparse(n)} (line {n.lineno})"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and n.attr.startswith("_")
+        and not n.attr.startswith("__")
+        and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "_ops", "comm"))
+    ]
+    assert not private, private
+
+
+def amp_clip_matches_ddp(rank, world):
+    """GradScaler + scaler.unscale_ + clip (torch's AMP recipe) through torch's
+    clip_grad_norm_ routing: the norms, the skipped step on an inf, the scales and the params
+    equal DDP + AdamW + torch's GradScaler. The scaler is handed to the first clip explicitly
+    (before any step() the optimizer cannot know it); later ones use the one step() received."""
+    model, twin = _net(), _net()
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.01, weight_decay=0.0)
+    ddp = nn.parallel.DistributedDataParallel(twin)
+    ref = torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    for step in range(5):
+        poison = step == 2 and rank == world - 1  # an inf on one rank skips the step everywhere
+        handle = (
+            next(model.parameters()).register_hook(lambda g: torch.full_like(g, float("inf")))
+            if poison
+            else None
+        )
+        scaler.scale(_loss(model, step, rank)).backward()
+        if handle is not None:
+            handle.remove()
+            twin_handle = next(ddp.parameters()).register_hook(
+                lambda g: torch.full_like(g, float("inf"))
+            )
+        ref_scaler.scale(_loss(ddp, step, rank)).backward()
+        if poison:
+            twin_handle.remove()
+        scaler.unscale_(opt)
+        ref_scaler.unscale_(ref)
+        if step == 0:
+            norm = opt.clip_grad_norm(1.0, grad_scaler=scaler)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ref_norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+        if step != 2:
+            assert ref_norm > 1.0, "clipping must be active"
+            torch.testing.assert_close(norm.reshape(()), ref_norm, **TOL)
+        scaler.step(opt)
+        ref_scaler.step(ref)
+        scaler.update()
+        ref_scaler.update()
+        ref.zero_grad(set_to_none=True)
+        assert scaler.get_scale() == ref_scaler.get_scale(), (step, scaler.get_scale())
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a, b, **TOL)
+    assert int(opt.param_groups[0]["step"].item()) == 4  # one skipped
+
+
+def clip_routing_switch(rank, world):
+    """set_routing(False): torch's clip_grad_norm_ gets the call unchanged (no grads in .grad:
+    norm 0, nothing clipped, the optimizer not armed); set_routing(True) routes again."""
+    model = _net()
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.01)
+    _loss(model, 0, rank).backward()
+    assert torch_clip.routing()
+    try:
+        torch_clip.set_routing(False)
+        assert not torch_clip.routing()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert float(norm) == 0.0  # torch's own function: it sees no .grad
+        assert opt.amp.max_norm is None, "the optimizer must not have been armed"
+    finally:
+        torch_clip.set_routing(True)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.testing.assert_close(norm.reshape(()), opt.grad_norm(), **TOL)
+    assert opt.amp.max_norm == 1.0
+    with pytest.raises(RuntimeError, match="value clipping"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    opt.step()
+    # installed once: building another optimizer does not wrap the wrapper
+    wrapped = torch.nn.utils.clip_grad_norm_
+    shardopt.DistributedFusedAdam(_net().parameters(), lr=0.01)
+    assert torch.nn.utils.clip_grad_norm_ is wrapped
+    assert not hasattr(wrapped._shardopt_original, "_shardopt_original")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_amp_glue(world):
+    results = run_cases([amp_clip_matches_ddp, clip_routing_switch], world, timeout=300)
+    errors = {k: v for k, v in results.items() if v is not None}
+    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())

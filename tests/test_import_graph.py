@@ -1,0 +1,168 @@
+"""shardopt's import graph, computed from the sources (every module parsed with ast, imports inside
+functions included): no cycle, no module over 500 lines (shardopt/reference.py excepted:
+docs/testing.md says why), the kernel layer imports nothing above it, and zero/ does not import
+checkpoint/ (checkpoint/ calls zero's public state I/O, never the reverse)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import shardopt
+
+PACKAGE = Path(shardopt.__file__).resolve().parent
+MAX_LINES = 500
+# the fp64 reference implementation of every optimizer: one file on purpose (docs/testing.md)
+LONG_ON_PURPOSE = {"shardopt.reference"}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package is its __init__.py)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "_csrc" in path.parts:
+            continue
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The shardopt modules ``name`` imports, at any depth of its code (not under
+    ``if TYPE_CHECKING:``, which never runs). ``from pkg import x`` is an import of ``pkg.x``
+    when that is a module, else of ``pkg``; a package's parents, which Python initialises first,
+    are not edges (a package's __init__ importing its own modules is no cycle)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in MODULES else target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(_a_cycle(graph, sorted(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return out
+
+
+def _a_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """A concrete cycle through the first module of ``component``, for the failure message."""
+    members = set(component)
+    start = component[0]
+    path, seen = [start], {start}
+    while True:
+        nxt = sorted(graph[path[-1]] & members)
+        back = [w for w in nxt if w == start]
+        if back and len(path) > 1:
+            return path + [start]
+        step = next((w for w in nxt if w not in seen), None)
+        if step is None:
+            return path + [start]
+        path.append(step)
+        seen.add(step)
+
+
+def test_the_graph_sees_function_level_imports():
+    """The parser is not blind: a known top-level and a known function-level import are edges."""
+    assert "shardopt.kernels.loader" in GRAPH["shardopt.kernels.dispatch"]
+    assert "shardopt.kernels.custom_ops" in GRAPH["shardopt.kernels.ops"]  # inside a function
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_no_import_cycle():
+    cycles = _cycles(GRAPH)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_over_500_lines():
+    long = {
+        name: n
+        for name, path in MODULES.items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES and name not in LONG_ON_PURPOSE
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them by role): {long}"
+
+
+def test_the_kernel_layer_imports_nothing_above_it():
+    above = ("shardopt.optimizers", "shardopt.zero", "shardopt.checkpoint", "shardopt.integrations")
+    for name, deps in GRAPH.items():
+        if name.startswith("shardopt.kernels"):
+            bad = {d for d in deps if d.startswith(above) or d == "shardopt"}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_zero_does_not_import_checkpoint():
+    bad = {
+        (name, dep)
+        for name, deps in GRAPH.items()
+        if name.startswith("shardopt.zero")
+        for dep in deps
+        if dep.startswith("shardopt.checkpoint")
+    }
+    assert not bad, f"zero/ -> checkpoint/ imports: {sorted(bad)}"
