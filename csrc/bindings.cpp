@@ -8,7 +8,7 @@
 // -v3 or -v4: shardopt/kernels/build.py), so running any of its code on a CPU below that level can
 // stop the interpreter with SIGILL, and tools that import every module of a package
 // (pkgutil.walk_packages, pytest --doctest-modules, Sphinx autosummary) do import _C_avx512. So
-// the module's entry point, PyInit_<name>, is written here instead of by PYBIND11_MODULE and is
+// the module's entry point, PyInit_<name>, is written here (PYBIND11_MODULE's is renamed) and is
 // compiled for the x86-64 baseline (target("arch=x86-64")): before any code built for the module's
 // level runs, it checks the CPU and raises ImportError when a feature is missing. The only code that
 // runs earlier is the static initializers (std::ios_base::Init and the like), which hold no vector
@@ -28,7 +28,6 @@
 // Token pasting with TORCH_EXTENSION_NAME expanded first (PYBIND11_CONCAT pastes it unexpanded).
 #define SHARDOPT_CAT_(a, b) a##b
 #define SHARDOPT_CAT(a, b) SHARDOPT_CAT_(a, b)
-#define SHARDOPT_EXEC SHARDOPT_CAT(pybind11_exec_, TORCH_EXTENSION_NAME)
 #define SHARDOPT_PYINIT SHARDOPT_CAT(PyInit_, TORCH_EXTENSION_NAME)
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -89,9 +88,14 @@ SHARDOPT_BASELINE const char* missing_cpu_feature() {
 }  // namespace
 #endif
 
-// The bindings (run by the module's exec slot, after the guard let the import through).
-static int SHARDOPT_EXEC(PyObject*);
-PYBIND11_MODULE_EXEC(TORCH_EXTENSION_NAME, m) {
+// The bindings: pybind11's own PYBIND11_MODULE (so any pybind11 version's init protocol), with
+// the entry point it defines renamed: the module's real PyInit_<name> below runs the ISA guard
+// first and only then calls it. The names are the modules build.py and jit.py make.
+#define PyInit__C shardopt_pybind11_pyinit
+#define PyInit__C_avx2 shardopt_pybind11_pyinit
+#define PyInit__C_avx512 shardopt_pybind11_pyinit
+#define PyInit_shardopt_C shardopt_pybind11_pyinit
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace shardopt;
   using namespace pybind11::literals;  // "name"_a in kernels.def
   auto cpu = m.def_submodule("cpu", "C++ CPU kernels");
@@ -117,32 +121,10 @@ PYBIND11_MODULE_EXEC(TORCH_EXTENSION_NAME, m) {
   m.attr("has_cuda") = false;
 #endif
 }
-
-namespace {
-
-// PYBIND11_MODULE_PYINIT's body (multi-phase init), compiled for the module's level: called only
-// once the guard has passed.
-__attribute__((noinline)) PyObject* module_def() {
-  try {
-    pybind11::detail::ensure_internals();
-    static ::pybind11::detail::slots_array slots =
-        ::pybind11::detail::init_slots(&SHARDOPT_EXEC);
-    static PyModuleDef def{/* m_base */ PyModuleDef_HEAD_INIT,
-                           /* m_name */ PYBIND11_TOSTRING(TORCH_EXTENSION_NAME),
-                           /* m_doc */ nullptr,
-                           /* m_size */ 0,
-                           /* m_methods */ nullptr,
-                           /* m_slots */ slots.data(),
-                           /* m_traverse */ nullptr,
-                           /* m_clear */ nullptr,
-                           /* m_free */ nullptr};
-    return PyModuleDef_Init(&def);
-  }
-  PYBIND11_CATCH_INIT_EXCEPTIONS
-  return nullptr;
-}
-
-}  // namespace
+#undef PyInit__C
+#undef PyInit__C_avx2
+#undef PyInit__C_avx512
+#undef PyInit_shardopt_C
 
 // The entry point: see Note: ISA guard.
 extern "C" PYBIND11_EXPORT PyObject* SHARDOPT_PYINIT();
@@ -156,6 +138,5 @@ extern "C" PYBIND11_EXPORT SHARDOPT_BASELINE PyObject* SHARDOPT_PYINIT() {
     return nullptr;
   }
 #endif
-  PYBIND11_CHECK_PYTHON_VERSION
-  return module_def();
+  return shardopt_pybind11_pyinit();
 }
