@@ -947,7 +947,12 @@ def _enospc(*args, **kwargs):
 def item8_save_write_error_on_rank1(rank, world):
     """Item 8: save_tensors raises OSError(ENOSPC) on rank 1 (the write phase)."""
     _failing_save(
-        rank, world, "enospc", 1, _patched(fmt, "save_tensors", _enospc), message=r"(?i)no space left"
+        rank,
+        world,
+        "enospc",
+        1,
+        _patched(fmt, "save_tensors", _enospc),
+        message=r"(?i)no space left",
     )
 
 
