@@ -9,6 +9,8 @@ without offload gives the same bits.
 - A partial fraction keeps the first-registered params on the GPU path; auto is deterministic;
   the planning function is tested as data; bad settings raise on every rank.
 - ``memory_bytes()`` reports device and host bytes separately.
+- The offload worker thread: with ``overlap_param_sync`` the same bits, ``step()`` returns before
+  it is done, a forward waits only for its own buckets, errors in it reach the main thread.
 One spawn per world runs every case (the suite's runtime matters).
 """
 
@@ -17,6 +19,9 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import threading
+import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -194,6 +199,93 @@ def accumulation(rank, world):
     _parity("Adam", rank, dtype=BF16, opt_kw=dict(overlap_param_sync=True), clip=1.0)
 
 
+class SlowAdam(shardopt.DistributedFusedAdam):
+    """Adam whose offloaded bucket updates (on the offload worker thread) take ``delay`` s."""
+
+    delay = 0.0
+    fail_on_rank: int | None = None
+
+    def _update(self, scalars):
+        worker = threading.current_thread() is not threading.main_thread()
+        if worker and self.fail_on_rank in (self.sharded.rank, -1):
+            raise ValueError("boom in the worker")
+        if worker:
+            time.sleep(self.delay)
+        super()._update(scalars)
+
+
+def _overlapped(name, dtype, offload, rank, steps=4):
+    """Trains with ``overlap_param_sync=True``, a scheduler halving lr right after each step
+    (while the worker may still run that step); the params after every other step and the state
+    dict."""
+    model = _model(dtype)
+    opt = _opt(name, model, offload, overlap_param_sync=True)
+    history = []
+    for step in range(steps):
+        _backward(model, rank, step)  # the forward waits bucket by bucket (pre-hooks)
+        opt.step()
+        for group in opt.param_groups:
+            group["lr"] *= 0.5  # seen by the next step only
+        opt.zero_grad()
+        if step % 2:
+            opt.wait_param_sync()
+            history.append([p.detach().clone() for p in model.parameters()])
+    return history, opt.state_dict(), opt
+
+
+def worker(rank, world):
+    """The offload worker thread: with overlap_param_sync the same bits as without offload
+    (Adam bf16 and Adagrad fp32, lr changed right after step); step() returns before the worker
+    is done and a forward waits only for its own buckets; the thread stops on close(); an
+    error in the worker is raised on the main thread (on every rank at the next sync point,
+    and no rank hangs when only one rank's worker fails)."""
+    for name, dtype in (("Adam", BF16), ("Adagrad", torch.float32)):
+        h0, sd0, _ = _overlapped(name, dtype, None, rank)
+        h1, sd1, opt = _overlapped(name, dtype, "cpu", rank)
+        _same(h0, h1, f"{name} params with overlap")
+        _same(sd0, sd1, f"{name} state_dict with overlap")
+        assert opt._offload_pipeline.worker.alive
+        opt.close()
+        assert not opt._offload_pipeline.worker.alive
+    model = _model(BF16)
+    opt = SlowAdam(model.parameters(), lr=0.01, bucket_cap_mb=1000 * 4 / 2**20, offload="cpu",
+                   overlap_param_sync=True)  # fmt: skip
+    _backward(model, rank, 0)
+    opt.delay = 0.2
+    opt.step()
+    sync = opt.param_sync
+    progress = sync.progress
+    assert progress is not None and not progress.finished, "step() waited for the worker"
+    buckets = len(progress.order)
+    assert buckets > 2
+    model.a(torch.zeros(1, 7, dtype=BF16))  # the first layer: only its buckets are waited for
+    assert 0 < sync._issued < buckets, (sync._issued, buckets)
+    opt.wait_param_sync()
+    assert sync.progress is None and not sync.busy
+    opt.delay = 0.0
+    for overlap in (False, True):
+        for failing in (-1, world - 1):
+            model = _model(BF16)
+            opt = SlowAdam(model.parameters(), lr=0.01, bucket_cap_mb=1000 * 4 / 2**20,
+                           offload="cpu", overlap_param_sync=overlap)  # fmt: skip
+            _backward(model, rank, 0)
+            opt.fail_on_rank = failing
+            fails = failing in (-1, rank)
+            try:
+                opt.step()
+                opt.wait_param_sync()
+            except RuntimeError as e:
+                assert fails, e
+                assert "offload worker" in str(e), e
+                cause = e.__cause__
+                assert isinstance(cause, ValueError) and "boom" in str(cause)
+                frames = [f.name for f in traceback.extract_tb(cause.__traceback__)]
+                assert "_update" in frames, frames
+            else:
+                assert not fails, "the worker's error was lost"
+            opt.close()
+
+
 def state_formats(rank, world):
     for dtype, kw in FORMATS.values():
         _parity("Adam", rank, dtype=dtype, dtype_kw=kw, clip=1.0)
@@ -362,9 +454,31 @@ def state_dict_round_trip(rank, world):
 
 
 PLAN = [
-    (1, [every_class, staging_ring, partial_fraction, auto_fraction, memory_split, refusals]),
-    (2, [every_class, clipping_and_scaler, accumulation, hsdp, save_w2, state_dict_round_trip]),
-    (3, [state_formats, staging_ring, partial_fraction, resume_w3, refusals]),
+    (
+        1,
+        [
+            every_class,
+            staging_ring,
+            partial_fraction,
+            auto_fraction,
+            memory_split,
+            refusals,
+            worker,
+        ],
+    ),  # fmt: skip
+    (
+        2,
+        [
+            every_class,
+            clipping_and_scaler,
+            accumulation,
+            hsdp,
+            save_w2,
+            state_dict_round_trip,
+            worker,
+        ],
+    ),  # fmt: skip
+    (3, [state_formats, staging_ring, partial_fraction, resume_w3, refusals, worker]),
     (4, [clipping_and_scaler, hsdp, auto_fraction]),
 ]
 

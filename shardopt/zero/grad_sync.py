@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +69,9 @@ class GradSync:
         self.enabled = True
         #: what this rank did since the last step (see Note: lockstep in lockstep.py)
         self.lockstep = Lockstep(sharded.owner)
+        #: CPU offload: run before this iteration's grads land or its collectives start (the
+        #: last step's all-gathers still with the offload worker start first: ParamSync.flush)
+        self.before_sync: Callable[[], None] | None = None
         self.reset()
         # The hooks hold this object weakly: params outlive the optimizer, and a strong reference
         # would keep every buffer alive after it is dropped. They are removed when this object is
@@ -110,6 +113,8 @@ class GradSync:
         return self.iteration.synced
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self.before_sync is not None:
+            self.before_sync()
         sharded, it = self.sharded, self.iteration
         owner = sharded.owner
         i = sharded.param_index[id(p)]
@@ -227,6 +232,8 @@ class GradSync:
         it = self.iteration
         if it.synced:
             return
+        if self.before_sync is not None:
+            self.before_sync()
         for p in self.sharded.all_params:
             if p.grad is not None:
                 raise RuntimeError(self._stray_grad_message(p))

@@ -2,25 +2,38 @@
 
 Note: the offloaded step
     After the reduce-scatters (and the global norm, when clipping, a GradScaler or LAMB needs it)
-    the GPU keys are updated as without offload; then each offloaded key is updated bucket by
-    bucket, in bucket order (the order backward produced the grads):
+    the GPU keys are updated as without offload; then ``step()`` hands the offloaded keys to
+    the offload worker thread (offload_worker.py), which updates them bucket by bucket in
+    forward order (key by key, each key's buckets reversed: the order param_sync.py gathers
+    them, so the bucket the next forward needs first goes first), on the offload thread budget:
 
-      1. the bucket's grad chunk is copied, in its own dtype (bf16 grads: 2 B/param), into a
-         staging slot: on CUDA an asynchronous copy on a copy stream into a page-locked slot of
+      1. the bucket's grad chunk (of the grad shard as ``step()`` left it: the worker holds its
+         own reference) is copied, in its own dtype (bf16 grads: 2 B/param), into a staging
+         slot: on CUDA an asynchronous copy on a copy stream (ordered after the compute
+         stream's work at ``step()``) into a page-locked slot of
          exact size (plain host memory registered with ``cudaHostRegister``, not torch's
          power-of-two pinned cache); the next bucket's copy is issued before this bucket's
          update runs, so the transfer overlaps the CPU work;
       2. the update rule runs the same kernels on that bucket's part of the host state, on the
          offload thread budget, writing the new params (cast in the kernel) into an out slot;
       3. the out slot is copied into this rank's chunk of the sync space (asynchronously on
-         CUDA); the all-gathers wait for these copies. A ``remainder`` key (bf16 params with
+         CUDA, then a CUDA event); the worker reports the bucket done (``Progress``), and the
+         main thread starts its all-gather, which waits for that event only (param_sync.py:
+         at once without ``overlap_param_sync``, else when a forward needs the bucket or
+         before the next grad sync). A ``remainder`` key (bf16 params with
          int16 remainders) keeps no host copy of its params: the bucket's bf16 params come down
          into a slot of their own beside the grads, the kernel updates them there with the host
          remainders, and they go back up.
 
+    The worker reads a ``frozen_view`` of the optimizer: the param groups and skipped-step
+    counts as ``step()`` left them, so a scheduler stepped on the main thread meanwhile changes
+    only the next step. Keys whose sync space is written from the masters (``out_by_copy``)
+    make ``step()`` wait for the worker before ``write_sync_space``.
+
     Update rules whose step has per-step extras outside the kernel calls (SGD's momentum flag,
-    LAMB's and NovoGrad's all-reduced per-tensor norms) take the whole shard in one pass
-    instead: grads are staged for the whole key first (``host_state.stage_grads``). There are
+    LAMB's and NovoGrad's all-reduced per-tensor norms) take the whole shard in one pass on the
+    main thread instead: grads are staged for the whole key first
+    (``host_state.stage_grads``). There are
     ``staging_slots`` slots per direction, each the size of the key's largest bucket chunk; a
     slot is reused only once the copy that last used it has finished. On a CPU job the copies
     are host copies and run in the same order, so the schedule is the one CI tests.
@@ -29,12 +42,14 @@ Note: the offloaded step
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
 from shardopt.zero import host_state
 from shardopt.zero.flat_buffer import ChunkedShard
 from shardopt.zero.layout import Range
+from shardopt.zero.offload_worker import OffloadWorker, Progress
 
 
 class _Slots:
@@ -96,6 +111,8 @@ class OffloadPipeline:
                 self.out_slots[key.index] = _Slots(slots, numel, out_dtype, pin)
             if buf.master_kind == "remainder":  # the bf16 half of the masters, down and up
                 self.param_slots[key.index] = _Slots(slots, numel, buf.param_space.dtype, pin)
+        #: the thread that runs the offloaded updates (started by the first step)
+        self.worker = OffloadWorker(device)
 
     @classmethod
     def of(cls, optimizer, settings) -> OffloadPipeline | None:
@@ -103,7 +120,10 @@ class OffloadPipeline:
         keys = [k for k in optimizer.keys if k.buffers.offloaded]
         if settings is None or not keys or not optimizer.bucketwise_update:
             return None  # nothing offloaded, or the whole-shard path (no slots)
-        return cls(keys, optimizer.device, settings.staging_slots, settings.pin_memory)
+        pipeline = cls(keys, optimizer.device, settings.staging_slots, settings.pin_memory)
+        # the last step's all-gathers still with the worker start before the next grad sync
+        optimizer.grad_sync.before_sync = optimizer.param_sync.flush
+        return pipeline
 
     def pinned_bytes(self) -> int:
         """Page-locked host bytes held (the staging slots only; the state is never pinned)."""
@@ -128,14 +148,15 @@ class OffloadPipeline:
             event.record(stream)
         return event
 
-    def _stage(self, key, bucket) -> tuple:
-        """The bucket's grad chunk (and a remainder key's bf16 params) into the next slots:
-        (grads, params or None, the params' slot, the copy's event)."""
+    def _stage(self, key, bucket, shards: dict) -> tuple:
+        """The bucket's grad chunk (from ``shards``, the grad shards by key) and a remainder
+        key's bf16 params into the next slots: (grads, params or None, the params' slot, the
+        copy's event)."""
         buf = key.buffers
         ring = self.grad_slots[key.index]
         i, slot = ring.take()
         grads = slot[: bucket.chunk_numel]
-        event = self._copy(self.d2h, grads, buf.shard_of_bucket(buf.grad_shard, bucket))
+        event = self._copy(self.d2h, grads, buf.shard_of_bucket(shards[key.index], bucket))
         ring.events[i] = event
         params, j = None, None
         if key.index in self.param_slots:
@@ -146,24 +167,42 @@ class OffloadPipeline:
             ring.events[j] = event  # reused only after its copy back (set below)
         return grads, params, j, event
 
-    @torch.no_grad()
-    def run(self, optimizer, keys: list, scalars, skipped: bool) -> None:
-        """Updates the offloaded ``keys`` bucket by bucket (see Note: the offloaded step)."""
+    def submit(self, optimizer, keys: list, scalars, skipped: bool) -> Progress:
+        """Hands the update of the offloaded ``keys`` to the worker thread (see Note: the
+        offloaded step); its progress, bucket by bucket, in forward order."""
+        work = [(key, b) for key in keys for b in reversed(key.layout.buckets)]
+        progress = Progress([(key.index, b.index) for key, b in work])
+        # the grad shards as they are now: the main thread drops its own references when the
+        # iteration ends (a CUDA block freed then is reused only after the copy stream's reads)
+        grads = {key.index: key.buffers.grad_shard for key in keys}
         if self.cuda:  # after what the compute stream did to the grads and the sync space
             self.d2h.wait_stream(torch.cuda.current_stream())
             self.h2d.wait_stream(torch.cuda.current_stream())
-        work = [(key, b) for key in keys for b in key.layout.buckets]
-        staged = self._stage(*work[0]) if work else None
+            for g in grads.values():
+                g.record_stream(self.d2h)
+        view = frozen_view(optimizer)
+        threads = optimizer.offload_plan.threads
+
+        def job() -> None:
+            with torch.no_grad(), host_state.threads(threads):
+                self._run(view, work, grads, scalars, skipped, progress)
+
+        self.worker.submit(job, progress)
+        return progress
+
+    def _run(self, optimizer, work: list, grads: dict, scalars, skipped: bool, progress) -> None:
+        """The worker thread: each bucket's update, in ``work``'s order."""
+        staged = self._stage(*work[0], grads) if work else None
         for n, (key, bucket) in enumerate(work):
             buf = key.buffers
-            grads, params, param_slot, event = staged
+            grad_slot, params, param_slot, event = staged
             ahead = len(self.grad_slots[key.index].buffers) > 1
             if n + 1 < len(work) and ahead:  # the next transfer overlaps this bucket's update
-                staged = self._stage(*work[n + 1])
+                staged = self._stage(*work[n + 1], grads)
             if event is not None:
                 event.synchronize()
             shard = Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
-            buf.host_grad = ChunkedShard([grads], [shard.start])
+            buf.host_grad = ChunkedShard([grad_slot], [shard.start])
             out = None
             if key.index in self.out_slots:
                 o, out = self.out_slots[key.index].take()
@@ -179,8 +218,8 @@ class OffloadPipeline:
             finally:
                 source = buf.master if out is None else buf.host_out
                 buf.master = device_master
+            event = None
             if not skipped and not buf.out_by_copy:
-                event = None
                 for call in calls:
                     for shard_r, space_r in zip(call.shard_ranges, call.space_ranges):
                         event = self._copy(
@@ -193,10 +232,24 @@ class OffloadPipeline:
                 if params is not None:
                     self.param_slots[key.index].events[param_slot] = event
             host_state.release(buf)
+            progress.publish(n, event)  # its all-gather may start (param_sync.py)
             if n + 1 < len(work) and not ahead:  # one slot: the next copy after the update
-                staged = self._stage(*work[n + 1])
-        if self.cuda:  # the all-gathers read what the copies wrote
-            torch.cuda.current_stream().wait_stream(self.h2d)
+                staged = self._stage(*work[n + 1], grads)
+
+
+def frozen_view(optimizer):
+    """The optimizer as the worker sees it: its attributes, except the step's hyperparameters
+    (shallow copies of the param groups) and skipped-step counts, frozen as ``step()`` left
+    them, so a scheduler or ``update_calls.end`` on the main thread while the worker runs does
+    not change this step (the next step waits for the worker before it writes them)."""
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    view.param_groups = [dict(g) for g in optimizer.param_groups]
+    calls = copy.copy(optimizer.update_calls)
+    calls.offsets = list(calls.offsets)
+    calls.window = None
+    view.update_calls = calls
+    return view
 
 
 def update(optimizer, scalars) -> None:
@@ -213,8 +266,11 @@ def update(optimizer, scalars) -> None:
     if optimizer.bucketwise_update:
         with optimizer.update_calls.within(None, None):
             optimizer._update(scalars)  # the GPU keys
-        with host_state.threads(plan.threads):
-            pipeline.run(optimizer, offloaded, scalars, skipped)
+        progress = pipeline.submit(optimizer, offloaded, scalars, skipped)
+        optimizer.param_sync.defer(progress)
+        if any(k.buffers.out_by_copy for k in offloaded):
+            progress.wait_finished()  # write_sync_space reads their host masters next
+            progress.raise_error()
         return
     for key in offloaded:
         host_state.stage_grads(key.buffers)
@@ -222,3 +278,12 @@ def update(optimizer, scalars) -> None:
         optimizer._update(scalars)
     for key in offloaded:
         host_state.publish(key.buffers, optimizer._calls(key), skipped)
+
+
+def close(optimizer) -> None:
+    """``close()``: finishes the last step (its worker updates and all-gathers) and stops the
+    worker thread."""
+    optimizer.wait_param_sync()
+    pipeline = optimizer._offload_pipeline
+    if pipeline is not None:
+        pipeline.worker.stop()
