@@ -11,6 +11,8 @@ without offload gives the same bits.
 - ``memory_bytes()`` reports device and host bytes separately.
 - The offload worker thread: with ``overlap_param_sync`` the same bits, ``step()`` returns before
   it is done, a forward waits only for its own buckets, errors in it reach the main thread.
+- Updates during backward (``overlap_backward``): the same bits, a bucket updated before backward
+  ended, and clipping / GradScaler / a second synchronised backward / zero_grad raising.
 One spawn per world runs every case (the suite's runtime matters).
 """
 
@@ -33,6 +35,7 @@ from torch import nn
 import shardopt
 from shardopt import checkpoint
 from shardopt.zero.offload_plan import plan_fraction, split_params, thread_budget
+from shardopt.zero.offload_worker import Progress
 
 ROOT = "SHARDOPT_TEST_OFFLOAD_ROOT"
 BF16 = torch.bfloat16
@@ -286,6 +289,115 @@ def worker(rank, world):
             opt.close()
 
 
+class NetC(nn.Module):
+    """``c`` gets a grad on rank 0 only (a bucket with a param unused on the other ranks);
+    ``slow`` makes the backward of the first layer (the last grads) take a while."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__()
+        self.delay = delay
+        self.a = nn.Linear(7, 300)
+        self.b = nn.Linear(300, 5)
+        self.c = nn.Linear(5, 5)
+
+    def forward(self, x, use_c):
+        h = _Slow.apply(self.a(x), self.delay)
+        y = self.b(torch.tanh(h))
+        return self.c(y) if use_c else y
+
+
+class _Slow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, delay):
+        ctx.delay = delay
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.delay)
+        return g, None
+
+
+def _early_run(name, dtype, offload, rank, steps=4):
+    torch.manual_seed(0)
+    model = NetC().to(dtype)
+    opt = _opt(name, model, offload)
+    early = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(6, 7, generator=gen).to(dtype)
+        model(x, use_c=rank == 0).float().pow(2).mean().backward()
+        if offload is not None:
+            early.append(len(opt._offload_pipeline.early.done))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict(), early
+
+
+def backward_overlap(rank, world):
+    """CPUOffload(overlap_backward=True/"auto"): the same bits as without offload (Adam bf16,
+    Adagrad fp32, a param unused on some ranks), buckets really updated before step() and
+    before backward ended; clipping, a GradScaler, a second synchronised backward and a
+    zero_grad() that drops launched grads raise on every rank."""
+    for name, dtype in (("Adam", BF16), ("Adagrad", torch.float32)):
+        p0, sd0, _ = _early_run(name, dtype, None, rank)
+        for mode in (True, "auto"):
+            p1, sd1, early = _early_run(name, dtype, shardopt.CPUOffload(overlap_backward=mode),
+                                        rank)  # fmt: skip
+            _same(p0, p1, f"{name} {mode} params")
+            _same(sd0, sd1, f"{name} {mode} state_dict")
+            assert all(early[1:]) and bool(early[0]) == (mode is True), early
+    # the update of the last layers' buckets finishes before the first layer's backward does
+    torch.manual_seed(0)
+    model = NetC(delay=0.5)
+    opt = _opt("Adam", model, shardopt.CPUOffload(overlap_backward=True))
+    ends, stamps = [], []
+    model.a.weight.register_post_accumulate_grad_hook(lambda p: ends.append(time.perf_counter()))
+    publish = Progress.publish
+
+    def stamped(self, bucket_id, event):
+        stamps.append(time.perf_counter())  # the worker: a bucket's update is done
+        publish(self, bucket_id, event)
+
+    Progress.publish = stamped
+    try:
+        model(torch.randn(6, 7), use_c=True).pow(2).mean().backward()
+        assert opt._offload_pipeline.early.done
+        opt.step()
+        opt.wait_param_sync()
+    finally:
+        Progress.publish = publish
+    assert stamps and min(stamps) < max(ends), (stamps, ends)
+    opt.close()
+    # misuse, each raising on every rank
+    for mode in (True, "auto"):
+        for misuse in ("clip", "scaler", "second_backward", "zero_grad"):
+            torch.manual_seed(0)
+            model = NetC()
+            opt = _opt("Adam", model, shardopt.CPUOffload(overlap_backward=mode))
+            if mode == "auto":  # a clean step turns it on
+                model(torch.randn(6, 7), use_c=True).pow(2).mean().backward()
+                opt.step()
+            scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if misuse == "scaler" else None
+            loss = model(torch.randn(6, 7), use_c=True).pow(2).mean()
+            (scaler.scale(loss) if scaler else loss).backward()
+            if misuse == "second_backward":
+                model(torch.randn(6, 7), use_c=True).pow(2).mean().backward()
+            with pytest.raises(RuntimeError, match=r"overlap_backward=False"):
+                if misuse == "clip":
+                    opt.clip_grad_norm(1.0)
+                    opt.step()
+                elif misuse == "scaler":
+                    scaler.step(opt)
+                elif misuse == "zero_grad":
+                    opt.zero_grad()
+                else:
+                    opt.step()
+            opt.close()
+    off = shardopt.CPUOffload(overlap_backward=False)
+    _parity("Adam", rank, offload=off, clip=0.5)  # off: clipping stays exact
+
+
 def state_formats(rank, world):
     for dtype, kw in FORMATS.values():
         _parity("Adam", rank, dtype=dtype, dtype_kw=kw, clip=1.0)
@@ -373,6 +485,7 @@ def refusals(rank, world):
         (shardopt.CPUOffload(fraction="most"), TypeError, "fraction"),
         (shardopt.CPUOffload(threads=0), ValueError, "threads"),
         (shardopt.CPUOffload(staging_slots=0), ValueError, "staging_slots"),
+        (shardopt.CPUOffload(overlap_backward="yes"), ValueError, "overlap_backward"),
     ]
     for bad, exc, match in cases:
         with pytest.raises(exc, match=match):

@@ -3,7 +3,8 @@
 On CUDA the CPU kernels replace the CUDA ones for offloaded keys. ``test_offload_matches_gpu``
 reports per class whether the results are bit-identical and checks the rest stay within one ulp
 per step (fp32 masters and moments); run with ``-s`` to see which classes are exact.
-``test_worker_overlaps_the_next_forward``: the offload worker thread with overlap_param_sync.
+``test_worker_overlaps_the_next_forward`` and ``test_worker_overlaps_backward``: the offload
+worker thread with overlap_param_sync, and with updates during backward.
 """
 
 from __future__ import annotations
@@ -212,3 +213,59 @@ def test_worker_overlaps_the_next_forward():
     assert opt.param_sync.progress is None
     opt.close()
     assert not opt._offload_pipeline.worker.alive
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda.synchronize()
+        time.sleep(0.3)
+        return g
+
+
+def test_worker_overlaps_backward():
+    """CPUOffload(overlap_backward=True): the same bits as overlap_backward=False (both run the
+    CPU kernels), and the last layer's bucket is updated before backward ends."""
+    from shardopt.zero.offload_worker import Progress
+
+    runs = []
+    for mode in (False, True):
+        model = _model(torch.bfloat16)
+        opt = shardopt.DistributedFusedAdam(
+            model.parameters(), lr=0.02, bucket_cap_mb=8000 * 4 / 2**20,
+            offload=shardopt.CPUOffload(overlap_backward=mode),
+        )  # fmt: skip
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        stamps, ends = [], []
+        model[0].weight.register_post_accumulate_grad_hook(
+            lambda p, ends=ends: (torch.cuda.synchronize(), ends.append(time.perf_counter()))
+        )
+        publish = Progress.publish
+
+        def stamped(self, bucket_id, event, stamps=stamps, publish=publish):
+            stamps.append(time.perf_counter())
+            publish(self, bucket_id, event)
+
+        Progress.publish = stamped
+        try:
+            for _ in range(STEPS):
+                x = torch.randn(16, 64, generator=gen, device="cuda").to(torch.bfloat16)
+                h = _SlowBackward.apply(model[0](x))
+                model[2](model[1](h)).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            Progress.publish = publish
+        if mode:  # the first bucket update of the first step ended before its backward did
+            assert min(stamps) < ends[0], (stamps[:3], ends[:1])
+        runs.append(([p.detach().float().cpu() for p in model.parameters()], opt.state_dict()))
+    (p0, sd0), (p1, sd1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    for pid, entry in sd0["state"].items():
+        for key, t in entry.items():
+            if torch.is_tensor(t):
+                assert torch.equal(t, sd1["state"][pid][key]), (pid, key)

@@ -72,6 +72,10 @@ class GradSync:
         #: CPU offload: run before this iteration's grads land or its collectives start (the
         #: last step's all-gathers still with the offload worker start first: ParamSync.flush)
         self.before_sync: Callable[[], None] | None = None
+        #: CPU offload: a bucket's reduce-scatter was launched during backward, and
+        #: ``zero_grad()`` drops the iteration (offload_backward.py)
+        self.on_launch: Callable[[Key, int, comm.Handle], None] | None = None
+        self.on_drop: Callable[[], None] | None = None
         self.reset()
         # The hooks hold this object weakly: params outlive the optimizer, and a strong reference
         # would keep every buffer alive after it is dropped. They are removed when this object is
@@ -184,15 +188,18 @@ class GradSync:
         it.touched.add(i)
         p.grad = None
 
-    def _launch_ready(self, force: bool) -> None:
+    def _launch_ready(self, force: bool, in_backward: bool = True) -> None:
         """Launches reduce-scatters strictly in bucket order, up to the first incomplete one."""
         it = self.iteration
         while it.next_launch < len(it.order):
             ki, bi = it.order[it.next_launch]
             if not force and it.pending[(ki, bi)] > 0:
                 return
-            it.handles.append(self._reduce_scatter_bucket(self.sharded.keys[ki], bi))
+            handle = self._reduce_scatter_bucket(self.sharded.keys[ki], bi)
+            it.handles.append(handle)
             it.next_launch += 1
+            if in_backward and self.on_launch is not None:
+                self.on_launch(self.sharded.keys[ki], bi, handle)
             if not force:
                 # bound the transient grad memory; the step waits for the rest
                 while it.next_wait < len(it.handles) - self.buckets_in_flight:
@@ -243,7 +250,7 @@ class GradSync:
             for key in self.sharded.keys:
                 key.buffers.grad_shard.zero_()
         else:
-            self._launch_ready(force=True)
+            self._launch_ready(force=True, in_backward=False)
         for h in it.handles:
             h.wait()
         it.handles = []
@@ -294,6 +301,8 @@ class GradSync:
     def drop(self) -> None:
         """``zero_grad()``: remembers whether grads already synchronised are dropped."""
         it = self.iteration
+        if self.on_drop is not None:
+            self.on_drop()
         if it.arrived or it.next_launch or it.rounds:
             self.lockstep.dropped = True
 

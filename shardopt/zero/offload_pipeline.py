@@ -25,7 +25,10 @@ Note: the offloaded step
          into a slot of their own beside the grads, the kernel updates them there with the host
          remainders, and they go back up.
 
-    The worker reads a ``frozen_view`` of the optimizer: the param groups and skipped-step
+    Buckets may also be handed over during backward, as soon as their reduce-scatter is
+    launched (see Note: updates during backward in offload_backward.py); ``step()`` then hands
+    over only the rest, as another job of the same ``Progress``. The worker reads a
+    ``frozen_view`` of the optimizer: the param groups and skipped-step
     counts as ``step()`` left them, so a scheduler stepped on the main thread meanwhile changes
     only the next step. Keys whose sync space is written from the masters (``out_by_copy``)
     make ``step()`` wait for the worker before ``write_sync_space``.
@@ -49,6 +52,7 @@ import torch
 from shardopt.zero import host_state
 from shardopt.zero.flat_buffer import ChunkedShard
 from shardopt.zero.layout import Range
+from shardopt.zero.offload_backward import EarlyUpdates
 from shardopt.zero.offload_worker import OffloadWorker, Progress
 
 
@@ -94,7 +98,9 @@ class _Slots:
 class OffloadPipeline:
     """The staging slots and copy streams of one optimizer's offloaded keys."""
 
-    def __init__(self, keys: list, device: torch.device, slots: int, pin: bool) -> None:
+    def __init__(
+        self, keys: list, device: torch.device, slots: int, pin: bool, overlap_backward=False
+    ) -> None:
         self.cuda = device.type == "cuda"
         pin = pin and self.cuda
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
@@ -113,6 +119,8 @@ class OffloadPipeline:
                 self.param_slots[key.index] = _Slots(slots, numel, buf.param_space.dtype, pin)
         #: the thread that runs the offloaded updates (started by the first step)
         self.worker = OffloadWorker(device)
+        #: the updates that start during backward (offload_backward.py)
+        self.early = EarlyUpdates(overlap_backward)
 
     @classmethod
     def of(cls, optimizer, settings) -> OffloadPipeline | None:
@@ -120,9 +128,16 @@ class OffloadPipeline:
         keys = [k for k in optimizer.keys if k.buffers.offloaded]
         if settings is None or not keys or not optimizer.bucketwise_update:
             return None  # nothing offloaded, or the whole-shard path (no slots)
-        pipeline = cls(keys, optimizer.device, settings.staging_slots, settings.pin_memory)
+        pipeline = cls(
+            keys,
+            optimizer.device,
+            settings.staging_slots,
+            settings.pin_memory,
+            settings.overlap_backward if optimizer.redundant_process_group is None else False,
+        )  # fmt: skip (HSDP: the grads take one more all-reduce after the reduce-scatters)
         # the last step's all-gathers still with the worker start before the next grad sync
         optimizer.grad_sync.before_sync = optimizer.param_sync.flush
+        pipeline.early.attach(optimizer)
         return pipeline
 
     def pinned_bytes(self) -> int:
@@ -167,28 +182,34 @@ class OffloadPipeline:
             ring.events[j] = event  # reused only after its copy back (set below)
         return grads, params, j, event
 
-    def submit(self, optimizer, keys: list, scalars, skipped: bool) -> Progress:
-        """Hands the update of the offloaded ``keys`` to the worker thread (see Note: the
-        offloaded step); its progress, bucket by bucket, in forward order."""
-        work = [(key, b) for key in keys for b in reversed(key.layout.buckets)]
-        progress = Progress([(key.index, b.index) for key, b in work])
+    def submit(
+        self, optimizer, work: list, scalars, skipped: bool, progress: Progress, *, view=None,
+        ready=None,
+    ) -> None:  # fmt: skip
+        """Hands the update of the offloaded buckets ``work`` ((key, bucket) pairs, in the order
+        to run them) to the worker thread as a job of ``progress`` (see Note: the offloaded
+        step); ``view``: the optimizer as the job sees it (``frozen_view``); ``ready``: called
+        on the worker first (with the copy stream current on CUDA), e.g. a reduce-scatter's
+        wait."""
         # the grad shards as they are now: the main thread drops its own references when the
         # iteration ends (a CUDA block freed then is reused only after the copy stream's reads)
-        grads = {key.index: key.buffers.grad_shard for key in keys}
+        grads = {key.index: key.buffers.grad_shard for key, _ in work}
         if self.cuda:  # after what the compute stream did to the grads and the sync space
             self.d2h.wait_stream(torch.cuda.current_stream())
             self.h2d.wait_stream(torch.cuda.current_stream())
             for g in grads.values():
                 g.record_stream(self.d2h)
-        view = frozen_view(optimizer)
+        view = frozen_view(optimizer) if view is None else view
         threads = optimizer.offload_plan.threads
 
         def job() -> None:
             with torch.no_grad(), host_state.threads(threads):
+                if ready is not None:
+                    with torch.cuda.stream(self.d2h) if self.cuda else contextlib.nullcontext():
+                        ready()
                 self._run(view, work, grads, scalars, skipped, progress)
 
         self.worker.submit(job, progress)
-        return progress
 
     def _run(self, optimizer, work: list, grads: dict, scalars, skipped: bool, progress) -> None:
         """The worker thread: each bucket's update, in ``work``'s order."""
@@ -232,24 +253,36 @@ class OffloadPipeline:
                 if params is not None:
                     self.param_slots[key.index].events[param_slot] = event
             host_state.release(buf)
-            progress.publish(n, event)  # its all-gather may start (param_sync.py)
+            progress.publish((key.index, bucket.index), event)  # its all-gather may start
             if n + 1 < len(work) and not ahead:  # one slot: the next copy after the update
                 staged = self._stage(*work[n + 1], grads)
 
 
-def frozen_view(optimizer):
+def frozen_view(optimizer, steps_ahead: int = 0, unused: frozenset[int] | None = None):
     """The optimizer as the worker sees it: its attributes, except the step's hyperparameters
-    (shallow copies of the param groups) and skipped-step counts, frozen as ``step()`` left
-    them, so a scheduler or ``update_calls.end`` on the main thread while the worker runs does
-    not change this step (the next step waits for the worker before it writes them)."""
+    (shallow copies of the param groups) and skipped-step counts, frozen as they are now, so a
+    scheduler or ``update_calls.end`` on the main thread while the worker runs does not change
+    this step (the next step waits for the worker before it writes them). ``steps_ahead``: the
+    groups' step counts to add (an update during backward, before ``step()`` counts it);
+    ``unused``: this step's params without grads, when ``step()`` has not set them yet."""
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)
     view.param_groups = [dict(g) for g in optimizer.param_groups]
+    if steps_ahead:
+        for group in view.param_groups:
+            group["step"] = group["step"] + steps_ahead
     calls = copy.copy(optimizer.update_calls)
     calls.offsets = list(calls.offsets)
     calls.window = None
+    if unused is not None:
+        calls.unused = unused
     view.update_calls = calls
     return view
+
+
+def forward_order(keys: list) -> list:
+    """(key, bucket) of every bucket of ``keys`` in forward order (param_sync.py's)."""
+    return [(key, b) for key in keys for b in reversed(key.layout.buckets)]
 
 
 def update(optimizer, scalars) -> None:
@@ -264,9 +297,16 @@ def update(optimizer, scalars) -> None:
     plan = optimizer.offload_plan
     pipeline = optimizer._offload_pipeline
     if optimizer.bucketwise_update:
+        early = pipeline.early
+        progress, done = early.at_step(optimizer, scalars)  # raises on misuse, on every rank
         with optimizer.update_calls.within(None, None):
             optimizer._update(scalars)  # the GPU keys
-        progress = pipeline.submit(optimizer, offloaded, scalars, skipped)
+        work = forward_order(offloaded)
+        progress = Progress([(k.index, b.index) for k, b in work]) if progress is None else progress
+        rest = [(k, b) for k, b in work if (k.index, b.index) not in done]
+        if rest:
+            pipeline.submit(optimizer, rest, scalars, skipped, progress)
+        progress.seal()
         optimizer.param_sync.defer(progress)
         if any(k.buffers.out_by_copy for k in offloaded):
             progress.wait_finished()  # write_sync_space reads their host masters next

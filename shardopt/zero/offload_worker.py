@@ -27,50 +27,66 @@ import torch
 
 
 class Progress:
-    """What the worker has done of one step's offloaded buckets, in the order it runs them."""
+    """What the worker has done of one step's offloaded buckets: ``order`` is the order their
+    all-gathers start in (forward order, the same on every rank); the worker may update them in
+    another (buckets updated during backward first, see offload_backward.py). The step's jobs
+    are counted; it is finished once it is sealed (``step()`` submitted its last job) and every
+    job has ended."""
 
     def __init__(self, order: list[tuple[int, int]]) -> None:
-        #: (key index, bucket index) of every offloaded bucket, in the order they are updated
+        #: (key index, bucket index) of every offloaded bucket, in all-gather order
         self.order = order
-        self._events: list[torch.cuda.Event | None] = [None] * len(order)
-        self._done = 0
-        self._finished = False
+        self._events: dict[tuple[int, int], torch.cuda.Event | None] = {}
+        self._jobs = 0
+        self._sealed = False
         self._error: BaseException | None = None
         self._cond = threading.Condition()
 
-    def publish(self, n: int, event: torch.cuda.Event | None) -> None:
-        """The worker: bucket ``n`` is updated; ``event`` (CUDA) marks its copy into the sync
+    def add_job(self) -> None:
+        with self._cond:
+            self._jobs += 1
+
+    def seal(self) -> None:
+        """No job of this step is submitted after this one."""
+        with self._cond:
+            self._sealed = True
+            self._cond.notify_all()
+
+    def publish(self, bucket_id: tuple[int, int], event: torch.cuda.Event | None) -> None:
+        """The worker: ``bucket_id`` is updated; ``event`` (CUDA) marks its copy into the sync
         space."""
         with self._cond:
-            self._events[n] = event
-            self._done = n + 1
+            self._events[bucket_id] = event
             self._cond.notify_all()
 
-    def finish(self, error: BaseException | None) -> None:
-        """The worker: the job ended (``error``: what it raised)."""
+    def job_done(self, error: BaseException | None) -> None:
+        """The worker: a job ended (``error``: what it raised; the first is kept)."""
         with self._cond:
-            self._finished = True
-            self._error = error
+            self._jobs -= 1
+            if self._error is None:
+                self._error = error
             self._cond.notify_all()
-
-    def wait_bucket(self, n: int) -> torch.cuda.Event | None:
-        """Blocks until bucket ``n`` is updated (or the job failed); the event its all-gather
-        must wait for (None on a CPU job, on a skipped step, or when the job failed)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._done > n or self._finished)
-            return self._events[n] if self._done > n else None
-
-    def wait_finished(self) -> None:
-        """Blocks until the job has ended."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._finished)
 
     @property
     def finished(self) -> bool:
-        return self._finished
+        return self._sealed and self._jobs == 0
+
+    def wait_bucket(self, n: int) -> torch.cuda.Event | None:
+        """Blocks until bucket number ``n`` of ``order`` is updated (or the step's jobs ended
+        without it: an error); the event its all-gather must wait for (None on a CPU job, on a
+        skipped step, or after an error)."""
+        bucket_id = self.order[n]
+        with self._cond:
+            self._cond.wait_for(lambda: bucket_id in self._events or self.finished)
+            return self._events.get(bucket_id)
+
+    def wait_finished(self) -> None:
+        """Blocks until every job of the (sealed) step has ended."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.finished)
 
     def raise_error(self) -> None:
-        """Raises what the job raised (once), with its original traceback."""
+        """Raises what a job raised (once), with its original traceback."""
         with self._cond:
             error, self._error = self._error, None
         if error is not None:
@@ -97,7 +113,7 @@ def _loop(jobs: queue.SimpleQueue) -> None:
             error = e
         finally:
             del fn
-            progress.finish(error)
+            progress.job_done(error)
             del progress
 
 
@@ -124,8 +140,9 @@ class OffloadWorker:
         return bool(self._thread) and self._thread[0].is_alive()
 
     def submit(self, fn: Callable[[], None], progress: Progress) -> None:
-        """Runs ``fn`` on the worker thread (started on first use); ``progress`` is finished
-        when it returns or raises."""
+        """Runs ``fn`` on the worker thread (started on first use), as a job of ``progress``'s
+        step."""
+        progress.add_job()
         if not self._thread:
             device = self.device
 

@@ -105,7 +105,7 @@ class ParamSync:
         progress = self.progress
         while progress is not None and self._issued <= upto:
             n = self._issued
-            key_index, bucket_index = progress.order[n]
+            key_index, bucket_index = progress.order[n]  # (the same order on every rank)
             event = progress.wait_bucket(n)
             if event is not None:  # the bucket's copy into the sync space
                 torch.cuda.current_stream().wait_event(event)
