@@ -83,11 +83,10 @@ def _opt(name, model, offload, dtype_kw=None, **kw):
     cls, hyper = CLASSES[name]
     return cls(
         model.parameters(),
-        **hyper,
+        **{**hyper, **kw},
         bucket_cap_mb=1000 * 4 / 2**20,  # several buckets
         offload=offload,
         **(dtype_kw or {}),
-        **kw,
     )
 
 
@@ -181,12 +180,18 @@ def every_class(rank, world):
 
 
 def staging_ring(rank, world):
-    """One staging slot (no transfer ahead) and two: the same bits; a rule with per-step extras
-    (SGD's momentum flag, LAMB's norms) takes the whole-shard path, also the same bits."""
+    """One staging slot (no transfer ahead) and two: the same bits; SGD (its momentum flag is a
+    per-step value) goes bucket by bucket too; a rule with all-reduced per-tensor norms (LAMB,
+    NovoGrad) takes the whole-shard path, also the same bits."""
     for slots in (1, 2):
         _parity("Adam", rank, dtype=BF16, offload=shardopt.CPUOffload(staging_slots=slots))
+    # dampening: the first step's momentum rule (buffer = grad) differs from the later ones
+    sgd = dict(nesterov=False, dampening=0.3)
+    _parity("SGD", rank, dtype=BF16, offload=shardopt.CPUOffload(staging_slots=1), opt_kw=sgd)
     assert shardopt.DistributedFusedAdam.bucketwise_update
+    assert shardopt.DistributedFusedSGD.bucketwise_update
     assert not shardopt.DistributedFusedLAMB.bucketwise_update
+    assert not shardopt.DistributedFusedNovoGrad.bucketwise_update
 
 
 def clipping_and_scaler(rank, world):
@@ -321,7 +326,8 @@ class _Slow(torch.autograd.Function):
 def _early_run(name, dtype, offload, rank, steps=4):
     torch.manual_seed(0)
     model = NetC().to(dtype)
-    opt = _opt(name, model, offload)
+    sgd = dict(nesterov=False, dampening=0.3) if name == "SGD" else {}  # (see staging_ring)
+    opt = _opt(name, model, offload, **sgd)
     early = []
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 * step + rank)
@@ -336,10 +342,10 @@ def _early_run(name, dtype, offload, rank, steps=4):
 
 def backward_overlap(rank, world):
     """CPUOffload(overlap_backward=True/"auto"): the same bits as without offload (Adam bf16,
-    Adagrad fp32, a param unused on some ranks), buckets really updated before step() and
-    before backward ended; clipping, a GradScaler, a second synchronised backward and a
-    zero_grad() that drops launched grads raise on every rank."""
-    for name, dtype in (("Adam", BF16), ("Adagrad", torch.float32)):
+    Adagrad fp32, SGD with momentum, a param unused on some ranks), buckets really updated
+    before step() and before backward ended; clipping, a GradScaler, a second synchronised
+    backward and a zero_grad() that drops launched grads raise on every rank."""
+    for name, dtype in (("Adam", BF16), ("Adagrad", torch.float32), ("SGD", BF16)):
         p0, sd0, _ = _early_run(name, dtype, None, rank)
         for mode in (True, "auto"):
             p1, sd1, early = _early_run(name, dtype, shardopt.CPUOffload(overlap_backward=mode),

@@ -33,8 +33,9 @@ Note: the offloaded step
     only the next step. Keys whose sync space is written from the masters (``out_by_copy``)
     make ``step()`` wait for the worker before ``write_sync_space``.
 
-    Update rules whose step has per-step extras outside the kernel calls (SGD's momentum flag,
-    LAMB's and NovoGrad's all-reduced per-tensor norms) take the whole shard in one pass on the
+    Per-step values an update rule writes once per step (SGD's momentum flags,
+    ``per_step_attributes``) are the view's own copies, reset before each bucket. Update rules
+    with all-reduced per-tensor norms (LAMB, NovoGrad) take the whole shard in one pass on the
     main thread instead: grads are staged for the whole key first
     (``host_state.stage_grads``). There are
     ``staging_slots`` slots per direction, each the size of the key's largest bucket chunk; a
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import torch
 
@@ -233,6 +235,7 @@ class OffloadPipeline:
             if params is not None:  # the staged bf16 half of the masters, updated in place
                 buf.master = ChunkedShard([params], [shard.start])
             try:
+                restart(optimizer)
                 with optimizer.update_calls.within(key, shard):
                     optimizer._update(scalars)
                     calls = optimizer._calls(key)
@@ -268,16 +271,29 @@ def frozen_view(optimizer, steps_ahead: int = 0, unused: frozenset[int] | None =
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)
     view.param_groups = [dict(g) for g in optimizer.param_groups]
-    if steps_ahead:
-        for group in view.param_groups:
-            group["step"] = group["step"] + steps_ahead
+    for group in view.param_groups:  # on the host once per step, not once per kernel call
+        group["step"] = host_state.to_host(group["step"]) + steps_ahead
     calls = copy.copy(optimizer.update_calls)
     calls.offsets = list(calls.offsets)
     calls.window = None
     if unused is not None:
         calls.unused = unused
     view.update_calls = calls
+    # what the update writes once per step (SGD's momentum flags): the worker's own copies,
+    # reset to the values before the step ahead of each bucket (``restart``)
+    saved = {}
+    for name in getattr(type(optimizer), "per_step_attributes", ()):
+        saved[name] = [t.clone() for t in getattr(optimizer, name)]
+        setattr(view, name, [t.clone() for t in saved[name]])
+    view._offload_saved = saved
     return view
+
+
+def restart(view) -> None:
+    """Before each bucket's update on the worker: the per-step attributes as before the step."""
+    for name, saved in view._offload_saved.items():
+        for t, s in zip(getattr(view, name), saved):
+            t.copy_(s)
 
 
 def forward_order(keys: list) -> list:
@@ -299,13 +315,19 @@ def update(optimizer, scalars) -> None:
     if optimizer.bucketwise_update:
         early = pipeline.early
         progress, done = early.at_step(optimizer, scalars)  # raises on misuse, on every rank
+        view = frozen_view(optimizer)  # before the GPU keys' update writes the per-step values
         with optimizer.update_calls.within(None, None):
             optimizer._update(scalars)  # the GPU keys
         work = forward_order(offloaded)
         progress = Progress([(k.index, b.index) for k, b in work]) if progress is None else progress
         rest = [(k, b) for k, b in work if (k.index, b.index) not in done]
-        if rest:
-            pipeline.submit(optimizer, rest, scalars, skipped, progress)
+        if rest:  # the step's scalars on the host once, not once per kernel call
+            host = dataclasses.replace(
+                scalars,
+                grad_scale_t=host_state.to_host(scalars.grad_scale_t),
+                found_inf_t=host_state.to_host(scalars.found_inf_t),
+            )
+            pipeline.submit(optimizer, rest, host, skipped, progress, view=view)
         progress.seal()
         optimizer.param_sync.defer(progress)
         if any(k.buffers.out_by_copy for k in offloaded):

@@ -46,7 +46,7 @@ class CPUOffload:
         staging_slots: page-locked staging buffers per direction (each the size of the largest
             bucket chunk).
         overlap_backward: start an offloaded bucket's CPU update during backward, as soon as
-            its reduce-scatter is done (Adam, Adagrad; every param of the bucket must have a
+            its reduce-scatter is done (Adam, SGD, Adagrad; every param of the bucket must have a
             grad on this rank). Exact only without clipping, GradScaler or a second
             synchronised backward per step; an iteration with it on that does one of those
             raises. ``"auto"``: on from the second step when the previous step did none of
