@@ -52,6 +52,7 @@ class EarlyUpdates:
         self.done: set[tuple[int, int]] = set()
         self._view = None
         self._scalars: StepScalars | None = None
+        self._iteration = None  # the grad-sync iteration the updates belong to
 
     @property
     def on(self) -> bool:
@@ -89,7 +90,10 @@ class EarlyUpdates:
         bucket = key.layout.buckets[bucket_index]
         if any(i not in it.arrived for i in bucket.params):
             return  # some param has no grad here yet: step() updates the bucket
+        if self.progress is not None and self._iteration is not it:
+            self._abandon()  # an iteration that ended without step() (it raised)
         if self.progress is None:
+            self._iteration = it
             offloaded = [k for k in optimizer.keys if k.buffers.offloaded]
             self.progress = Progress([(k.index, b.index) for k, b in forward_order(offloaded)])
             self._view = frozen_view(optimizer, steps_ahead=1, unused=frozenset())
