@@ -98,9 +98,13 @@ SHARDOPT_BASELINE const char* missing_cpu_feature() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace shardopt;
   using namespace pybind11::literals;  // "name"_a in kernels.def
+  // Every kernel releases the GIL while it runs: the arguments are converted to C++ objects
+  // before the call and the return value after it, and the kernels touch no Python object, so
+  // the offload worker thread's CPU update overlaps the Python thread issuing the next work.
+  using ReleaseGil = py::call_guard<py::gil_scoped_release>;
   auto cpu = m.def_submodule("cpu", "C++ CPU kernels");
 #define SHARDOPT_KERNEL(name, ret, params, doc, ...) \
-  cpu.def(#name, &name##_cpu, doc, __VA_ARGS__);
+  cpu.def(#name, &name##_cpu, doc, ReleaseGil(), __VA_ARGS__);
 #include "kernels.def"
 #undef SHARDOPT_KERNEL
   m.attr("cpu_chunk_size") = cpu::kChunkSize;
@@ -112,7 +116,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef SHARDOPT_WITH_CUDA
   auto cuda = m.def_submodule("cuda", "CUDA kernels");
 #define SHARDOPT_KERNEL(name, ret, params, doc, ...) \
-  cuda.def(#name, &name##_cuda, doc, __VA_ARGS__);
+  cuda.def(#name, &name##_cuda, doc, ReleaseGil(), __VA_ARGS__);
 #include "kernels.def"
 #undef SHARDOPT_KERNEL
   m.attr("has_cuda") = true;

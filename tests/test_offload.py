@@ -9,6 +9,10 @@ without offload gives the same bits.
 - A partial fraction keeps the first-registered params on the GPU path; auto is deterministic;
   the planning function is tested as data; bad settings raise on every rank.
 - ``memory_bytes()`` reports device and host bytes separately.
+- The offload worker thread: with ``overlap_param_sync`` the same bits, ``step()`` returns before
+  it is done, a forward waits only for its own buckets, errors in it reach the main thread.
+- Updates during backward (``overlap_backward``): the same bits, a bucket updated before backward
+  ended, and clipping / GradScaler / a second synchronised backward / zero_grad raising.
 One spawn per world runs every case (the suite's runtime matters).
 """
 
@@ -17,6 +21,9 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import threading
+import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -28,6 +35,7 @@ from torch import nn
 import shardopt
 from shardopt import checkpoint
 from shardopt.zero.offload_plan import plan_fraction, split_params, thread_budget
+from shardopt.zero.offload_worker import Progress
 
 ROOT = "SHARDOPT_TEST_OFFLOAD_ROOT"
 BF16 = torch.bfloat16
@@ -75,11 +83,10 @@ def _opt(name, model, offload, dtype_kw=None, **kw):
     cls, hyper = CLASSES[name]
     return cls(
         model.parameters(),
-        **hyper,
+        **{**hyper, **kw},
         bucket_cap_mb=1000 * 4 / 2**20,  # several buckets
         offload=offload,
         **(dtype_kw or {}),
-        **kw,
     )
 
 
@@ -173,12 +180,18 @@ def every_class(rank, world):
 
 
 def staging_ring(rank, world):
-    """One staging slot (no transfer ahead) and two: the same bits; a rule with per-step extras
-    (SGD's momentum flag, LAMB's norms) takes the whole-shard path, also the same bits."""
+    """One staging slot (no transfer ahead) and two: the same bits; SGD (its momentum flag is a
+    per-step value) goes bucket by bucket too; a rule with all-reduced per-tensor norms (LAMB,
+    NovoGrad) takes the whole-shard path, also the same bits."""
     for slots in (1, 2):
         _parity("Adam", rank, dtype=BF16, offload=shardopt.CPUOffload(staging_slots=slots))
+    # dampening: the first step's momentum rule (buffer = grad) differs from the later ones
+    sgd = dict(nesterov=False, dampening=0.3)
+    _parity("SGD", rank, dtype=BF16, offload=shardopt.CPUOffload(staging_slots=1), opt_kw=sgd)
     assert shardopt.DistributedFusedAdam.bucketwise_update
+    assert shardopt.DistributedFusedSGD.bucketwise_update
     assert not shardopt.DistributedFusedLAMB.bucketwise_update
+    assert not shardopt.DistributedFusedNovoGrad.bucketwise_update
 
 
 def clipping_and_scaler(rank, world):
@@ -192,6 +205,203 @@ def accumulation(rank, world):
         _parity(name, rank, accumulate=1, no_sync=False)
         _parity(name, rank, dtype=BF16, accumulate=2, no_sync=True)
     _parity("Adam", rank, dtype=BF16, opt_kw=dict(overlap_param_sync=True), clip=1.0)
+
+
+class SlowAdam(shardopt.DistributedFusedAdam):
+    """Adam whose offloaded bucket updates (on the offload worker thread) take ``delay`` s."""
+
+    delay = 0.0
+    fail_on_rank: int | None = None
+
+    def _update(self, scalars):
+        worker = threading.current_thread() is not threading.main_thread()
+        if worker and self.fail_on_rank in (self.sharded.rank, -1):
+            raise ValueError("boom in the worker")
+        if worker:
+            time.sleep(self.delay)
+        super()._update(scalars)
+
+
+def _overlapped(name, dtype, offload, rank, steps=4):
+    """Trains with ``overlap_param_sync=True``, a scheduler halving lr right after each step
+    (while the worker may still run that step); the params after every other step and the state
+    dict."""
+    model = _model(dtype)
+    opt = _opt(name, model, offload, overlap_param_sync=True)
+    history = []
+    for step in range(steps):
+        _backward(model, rank, step)  # the forward waits bucket by bucket (pre-hooks)
+        opt.step()
+        for group in opt.param_groups:
+            group["lr"] *= 0.5  # seen by the next step only
+        opt.zero_grad()
+        if step % 2:
+            opt.wait_param_sync()
+            history.append([p.detach().clone() for p in model.parameters()])
+    return history, opt.state_dict(), opt
+
+
+def worker(rank, world):
+    """The offload worker thread: with overlap_param_sync the same bits as without offload
+    (Adam bf16 and Adagrad fp32, lr changed right after step); step() returns before the worker
+    is done and a forward waits only for its own buckets; the thread stops on close(); an
+    error in the worker is raised on the main thread (on every rank at the next sync point,
+    and no rank hangs when only one rank's worker fails)."""
+    for name, dtype in (("Adam", BF16), ("Adagrad", torch.float32)):
+        h0, sd0, _ = _overlapped(name, dtype, None, rank)
+        h1, sd1, opt = _overlapped(name, dtype, "cpu", rank)
+        _same(h0, h1, f"{name} params with overlap")
+        _same(sd0, sd1, f"{name} state_dict with overlap")
+        assert opt._offload_pipeline.worker.alive
+        opt.close()
+        assert not opt._offload_pipeline.worker.alive
+    model = _model(BF16)
+    opt = SlowAdam(model.parameters(), lr=0.01, bucket_cap_mb=1000 * 4 / 2**20, offload="cpu",
+                   overlap_param_sync=True)  # fmt: skip
+    _backward(model, rank, 0)
+    opt.delay = 0.2
+    opt.step()
+    sync = opt.param_sync
+    progress = sync.progress
+    assert progress is not None and not progress.finished, "step() waited for the worker"
+    buckets = len(progress.order)
+    assert buckets > 2
+    model.a(torch.zeros(1, 7, dtype=BF16))  # the first layer: only its buckets are waited for
+    assert 0 < sync._issued < buckets, (sync._issued, buckets)
+    opt.wait_param_sync()
+    assert sync.progress is None and not sync.busy
+    opt.delay = 0.0
+    for overlap in (False, True):
+        for failing in (-1, world - 1):
+            model = _model(BF16)
+            opt = SlowAdam(model.parameters(), lr=0.01, bucket_cap_mb=1000 * 4 / 2**20,
+                           offload="cpu", overlap_param_sync=overlap)  # fmt: skip
+            _backward(model, rank, 0)
+            opt.fail_on_rank = failing
+            fails = failing in (-1, rank)
+            try:
+                opt.step()
+                opt.wait_param_sync()
+            except RuntimeError as e:
+                assert fails, e
+                assert "offload worker" in str(e), e
+                cause = e.__cause__
+                assert isinstance(cause, ValueError) and "boom" in str(cause)
+                frames = [f.name for f in traceback.extract_tb(cause.__traceback__)]
+                assert "_update" in frames, frames
+            else:
+                assert not fails, "the worker's error was lost"
+            opt.close()
+
+
+class NetC(nn.Module):
+    """``c`` gets a grad on rank 0 only (a bucket with a param unused on the other ranks);
+    ``slow`` makes the backward of the first layer (the last grads) take a while."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__()
+        self.delay = delay
+        self.a = nn.Linear(7, 300)
+        self.b = nn.Linear(300, 5)
+        self.c = nn.Linear(5, 5)
+
+    def forward(self, x, use_c):
+        h = _Slow.apply(self.a(x), self.delay)
+        y = self.b(torch.tanh(h))
+        return self.c(y) if use_c else y
+
+
+class _Slow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, delay):
+        ctx.delay = delay
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.delay)
+        return g, None
+
+
+def _early_run(name, dtype, offload, rank, steps=4):
+    torch.manual_seed(0)
+    model = NetC().to(dtype)
+    sgd = dict(nesterov=False, dampening=0.3) if name == "SGD" else {}  # (see staging_ring)
+    opt = _opt(name, model, offload, **sgd)
+    early = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(6, 7, generator=gen).to(dtype)
+        model(x, use_c=rank == 0).float().pow(2).mean().backward()
+        if offload is not None:
+            early.append(len(opt._offload_pipeline.early.done))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict(), early
+
+
+def backward_overlap(rank, world):
+    """CPUOffload(overlap_backward=True/"auto"): the same bits as without offload (Adam bf16,
+    Adagrad fp32, SGD with momentum, a param unused on some ranks), buckets really updated
+    before step() and before backward ended; clipping, a GradScaler, a second synchronised
+    backward and a zero_grad() that drops launched grads raise on every rank."""
+    for name, dtype in (("Adam", BF16), ("Adagrad", torch.float32), ("SGD", BF16)):
+        p0, sd0, _ = _early_run(name, dtype, None, rank)
+        for mode in (True, "auto"):
+            p1, sd1, early = _early_run(name, dtype, shardopt.CPUOffload(overlap_backward=mode),
+                                        rank)  # fmt: skip
+            _same(p0, p1, f"{name} {mode} params")
+            _same(sd0, sd1, f"{name} {mode} state_dict")
+            assert all(early[1:]) and bool(early[0]) == (mode is True), early
+    # the update of the last layers' buckets finishes before the first layer's backward does
+    torch.manual_seed(0)
+    model = NetC(delay=0.5)
+    opt = _opt("Adam", model, shardopt.CPUOffload(overlap_backward=True))
+    ends, stamps = [], []
+    model.a.weight.register_post_accumulate_grad_hook(lambda p: ends.append(time.perf_counter()))
+    publish = Progress.publish
+
+    def stamped(self, bucket_id, event):
+        stamps.append(time.perf_counter())  # the worker: a bucket's update is done
+        publish(self, bucket_id, event)
+
+    Progress.publish = stamped
+    try:
+        model(torch.randn(6, 7), use_c=True).pow(2).mean().backward()
+        assert opt._offload_pipeline.early.done
+        opt.step()
+        opt.wait_param_sync()
+    finally:
+        Progress.publish = publish
+    assert stamps and min(stamps) < max(ends), (stamps, ends)
+    opt.close()
+    # misuse, each raising on every rank
+    for mode in (True, "auto"):
+        for misuse in ("clip", "scaler", "second_backward", "zero_grad"):
+            torch.manual_seed(0)
+            model = NetC()
+            opt = _opt("Adam", model, shardopt.CPUOffload(overlap_backward=mode))
+            if mode == "auto":  # a clean step turns it on
+                model(torch.randn(6, 7), use_c=True).pow(2).mean().backward()
+                opt.step()
+            scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if misuse == "scaler" else None
+            loss = model(torch.randn(6, 7), use_c=True).pow(2).mean()
+            (scaler.scale(loss) if scaler else loss).backward()
+            if misuse == "second_backward":
+                model(torch.randn(6, 7), use_c=True).pow(2).mean().backward()
+            with pytest.raises(RuntimeError, match=r"overlap_backward=False"):
+                if misuse == "clip":
+                    opt.clip_grad_norm(1.0)
+                    opt.step()
+                elif misuse == "scaler":
+                    scaler.step(opt)
+                elif misuse == "zero_grad":
+                    opt.zero_grad()
+                else:
+                    opt.step()
+            opt.close()
+    off = shardopt.CPUOffload(overlap_backward=False)
+    _parity("Adam", rank, offload=off, clip=0.5)  # off: clipping stays exact
 
 
 def state_formats(rank, world):
@@ -281,6 +491,7 @@ def refusals(rank, world):
         (shardopt.CPUOffload(fraction="most"), TypeError, "fraction"),
         (shardopt.CPUOffload(threads=0), ValueError, "threads"),
         (shardopt.CPUOffload(staging_slots=0), ValueError, "staging_slots"),
+        (shardopt.CPUOffload(overlap_backward="yes"), ValueError, "overlap_backward"),
     ]
     for bad, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -362,9 +573,31 @@ def state_dict_round_trip(rank, world):
 
 
 PLAN = [
-    (1, [every_class, staging_ring, partial_fraction, auto_fraction, memory_split, refusals]),
-    (2, [every_class, clipping_and_scaler, accumulation, hsdp, save_w2, state_dict_round_trip]),
-    (3, [state_formats, staging_ring, partial_fraction, resume_w3, refusals]),
+    (
+        1,
+        [
+            every_class,
+            staging_ring,
+            partial_fraction,
+            auto_fraction,
+            memory_split,
+            refusals,
+            worker,
+        ],
+    ),  # fmt: skip
+    (
+        2,
+        [
+            every_class,
+            clipping_and_scaler,
+            accumulation,
+            hsdp,
+            save_w2,
+            state_dict_round_trip,
+            worker,
+        ],
+    ),  # fmt: skip
+    (3, [state_formats, staging_ring, partial_fraction, resume_w3, refusals, worker]),
     (4, [clipping_and_scaler, hsdp, auto_fraction]),
 ]
 

@@ -3,12 +3,16 @@
 On CUDA the CPU kernels replace the CUDA ones for offloaded keys. ``test_offload_matches_gpu``
 reports per class whether the results are bit-identical and checks the rest stay within one ulp
 per step (fp32 masters and moments); run with ``-s`` to see which classes are exact.
+``test_worker_overlaps_the_next_forward`` and ``test_worker_overlaps_backward``: the offload
+worker thread with overlap_param_sync, and with updates during backward.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
+import time
 
 import pytest
 import torch
@@ -142,3 +146,126 @@ def test_staging_slots_are_pinned_and_exact_size():
     model(x).float().pow(2).mean().backward()
     off.step()
     torch.cuda.synchronize()
+
+
+class _SlowAdam(shardopt.DistributedFusedAdam):
+    """Adam whose offloaded bucket updates (on the offload worker thread) take ``delay`` s."""
+
+    delay = 0.0
+
+    def _update(self, scalars):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(self.delay)
+        super()._update(scalars)
+
+
+def _overlap_run(overlap: bool, offload):
+    model = _model(torch.bfloat16)
+    opt = shardopt.DistributedFusedAdam(
+        model.parameters(), lr=0.02, bucket_cap_mb=8000 * 4 / 2**20, offload=offload,
+        overlap_param_sync=overlap,
+    )  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    history = []
+    for _ in range(STEPS):
+        x = torch.randn(16, 64, generator=gen, device="cuda").to(torch.bfloat16)
+        model(x).float().pow(2).mean().backward()  # waits bucket by bucket with overlap
+        opt.step()
+        for group in opt.param_groups:
+            group["lr"] *= 0.5  # a scheduler while the worker may still run the step
+        opt.zero_grad()
+    opt.wait_param_sync()
+    history.append([p.detach().float().cpu() for p in model.parameters()])
+    return history, opt.state_dict()
+
+
+def test_worker_overlaps_the_next_forward():
+    """The offload worker: with overlap_param_sync the same bits as without it (the per-bucket
+    events order the all-gathers after their copies), close to no offload; step() returns
+    before the worker is done and the first layer's forward waits only for its buckets."""
+    h_sync, sd_sync = _overlap_run(False, "cpu")
+    h_over, sd_over = _overlap_run(True, "cpu")
+    h_gpu, _ = _overlap_run(True, None)
+    for x, y, z in zip(h_sync[0], h_over[0], h_gpu[0]):
+        assert torch.equal(x, y)
+        torch.testing.assert_close(y, z, rtol=STEPS * 2 * 2**-7, atol=1e-6)
+    for pid, entry in sd_sync["state"].items():
+        for key, t in entry.items():
+            if torch.is_tensor(t):
+                assert torch.equal(t, sd_over["state"][pid][key]), (pid, key)
+    model = _model(torch.bfloat16)
+    opt = _SlowAdam(model.parameters(), lr=0.02, bucket_cap_mb=8000 * 4 / 2**20, offload="cpu",
+                    overlap_param_sync=True)  # fmt: skip
+    x = torch.randn(16, 64, device="cuda").to(torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    opt.delay = 0.2
+    start = time.perf_counter()
+    opt.step()
+    returned = time.perf_counter() - start
+    progress = opt.param_sync.progress
+    buckets = len(progress.order)
+    assert buckets > 2 and returned < 0.2 * buckets / 2, (returned, buckets)
+    assert not progress.finished
+    model[0](x)  # the first layer
+    assert 0 < opt.param_sync._issued < buckets
+    opt.wait_param_sync()
+    torch.cuda.synchronize()
+    assert opt.param_sync.progress is None
+    opt.close()
+    assert not opt._offload_pipeline.worker.alive
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda.synchronize()
+        time.sleep(0.3)
+        return g
+
+
+def test_worker_overlaps_backward():
+    """CPUOffload(overlap_backward=True): the same bits as overlap_backward=False (both run the
+    CPU kernels), and the last layer's bucket is updated before backward ends."""
+    from shardopt.zero.offload_worker import Progress
+
+    runs = []
+    for mode in (False, True):
+        model = _model(torch.bfloat16)
+        opt = shardopt.DistributedFusedAdam(
+            model.parameters(), lr=0.02, bucket_cap_mb=8000 * 4 / 2**20,
+            offload=shardopt.CPUOffload(overlap_backward=mode),
+        )  # fmt: skip
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        stamps, ends = [], []
+        model[0].weight.register_post_accumulate_grad_hook(
+            lambda p, ends=ends: (torch.cuda.synchronize(), ends.append(time.perf_counter()))
+        )
+        publish = Progress.publish
+
+        def stamped(self, bucket_id, event, stamps=stamps, publish=publish):
+            stamps.append(time.perf_counter())
+            publish(self, bucket_id, event)
+
+        Progress.publish = stamped
+        try:
+            for _ in range(STEPS):
+                x = torch.randn(16, 64, generator=gen, device="cuda").to(torch.bfloat16)
+                h = _SlowBackward.apply(model[0](x))
+                model[2](model[1](h)).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            Progress.publish = publish
+        if mode:  # the first bucket update of the first step ended before its backward did
+            assert min(stamps) < ends[0], (stamps[:3], ends[:1])
+        runs.append(([p.detach().float().cpu() for p in model.parameters()], opt.state_dict()))
+    (p0, sd0), (p1, sd1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    for pid, entry in sd0["state"].items():
+        for key, t in entry.items():
+            if torch.is_tensor(t):
+                assert torch.equal(t, sd1["state"][pid][key]), (pid, key)

@@ -271,7 +271,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     def close(self) -> None:
         """Removes the grad hooks and finishes in-flight param sync (the optimizer is unusable)."""
-        self.wait_param_sync()
+        offload_pipeline.close(self)  # wait_param_sync(), then the offload worker stops
         self.grad_sync.remove_hooks()
         sharded_params.release(self.params, self)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +69,13 @@ class GradSync:
         self.enabled = True
         #: what this rank did since the last step (see Note: lockstep in lockstep.py)
         self.lockstep = Lockstep(sharded.owner)
+        #: CPU offload: run before this iteration's grads land or its collectives start (the
+        #: last step's all-gathers still with the offload worker start first: ParamSync.flush)
+        self.before_sync: Callable[[], None] | None = None
+        #: CPU offload: a bucket's reduce-scatter was launched during backward, and
+        #: ``zero_grad()`` drops the iteration (offload_backward.py)
+        self.on_launch: Callable[[Key, int, comm.Handle], None] | None = None
+        self.on_drop: Callable[[], None] | None = None
         self.reset()
         # The hooks hold this object weakly: params outlive the optimizer, and a strong reference
         # would keep every buffer alive after it is dropped. They are removed when this object is
@@ -110,6 +117,8 @@ class GradSync:
         return self.iteration.synced
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self.before_sync is not None:
+            self.before_sync()
         sharded, it = self.sharded, self.iteration
         owner = sharded.owner
         i = sharded.param_index[id(p)]
@@ -179,15 +188,18 @@ class GradSync:
         it.touched.add(i)
         p.grad = None
 
-    def _launch_ready(self, force: bool) -> None:
+    def _launch_ready(self, force: bool, in_backward: bool = True) -> None:
         """Launches reduce-scatters strictly in bucket order, up to the first incomplete one."""
         it = self.iteration
         while it.next_launch < len(it.order):
             ki, bi = it.order[it.next_launch]
             if not force and it.pending[(ki, bi)] > 0:
                 return
-            it.handles.append(self._reduce_scatter_bucket(self.sharded.keys[ki], bi))
+            handle = self._reduce_scatter_bucket(self.sharded.keys[ki], bi)
+            it.handles.append(handle)
             it.next_launch += 1
+            if in_backward and self.on_launch is not None:
+                self.on_launch(self.sharded.keys[ki], bi, handle)
             if not force:
                 # bound the transient grad memory; the step waits for the rest
                 while it.next_wait < len(it.handles) - self.buckets_in_flight:
@@ -227,6 +239,8 @@ class GradSync:
         it = self.iteration
         if it.synced:
             return
+        if self.before_sync is not None:
+            self.before_sync()
         for p in self.sharded.all_params:
             if p.grad is not None:
                 raise RuntimeError(self._stray_grad_message(p))
@@ -236,7 +250,7 @@ class GradSync:
             for key in self.sharded.keys:
                 key.buffers.grad_shard.zero_()
         else:
-            self._launch_ready(force=True)
+            self._launch_ready(force=True, in_backward=False)
         for h in it.handles:
             h.wait()
         it.handles = []
@@ -287,6 +301,8 @@ class GradSync:
     def drop(self) -> None:
         """``zero_grad()``: remembers whether grads already synchronised are dropped."""
         it = self.iteration
+        if self.on_drop is not None:
+            self.on_drop()
         if it.arrived or it.next_launch or it.rounds:
             self.lockstep.dropped = True
 

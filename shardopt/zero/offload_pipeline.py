@@ -2,25 +2,42 @@
 
 Note: the offloaded step
     After the reduce-scatters (and the global norm, when clipping, a GradScaler or LAMB needs it)
-    the GPU keys are updated as without offload; then each offloaded key is updated bucket by
-    bucket, in bucket order (the order backward produced the grads):
+    the GPU keys are updated as without offload; then ``step()`` hands the offloaded keys to
+    the offload worker thread (offload_worker.py), which updates them bucket by bucket in
+    forward order (key by key, each key's buckets reversed: the order param_sync.py gathers
+    them, so the bucket the next forward needs first goes first), on the offload thread budget:
 
-      1. the bucket's grad chunk is copied, in its own dtype (bf16 grads: 2 B/param), into a
-         staging slot: on CUDA an asynchronous copy on a copy stream into a page-locked slot of
+      1. the bucket's grad chunk (of the grad shard as ``step()`` left it: the worker holds its
+         own reference) is copied, in its own dtype (bf16 grads: 2 B/param), into a staging
+         slot: on CUDA an asynchronous copy on a copy stream (ordered after the compute
+         stream's work at ``step()``) into a page-locked slot of
          exact size (plain host memory registered with ``cudaHostRegister``, not torch's
          power-of-two pinned cache); the next bucket's copy is issued before this bucket's
          update runs, so the transfer overlaps the CPU work;
       2. the update rule runs the same kernels on that bucket's part of the host state, on the
          offload thread budget, writing the new params (cast in the kernel) into an out slot;
       3. the out slot is copied into this rank's chunk of the sync space (asynchronously on
-         CUDA); the all-gathers wait for these copies. A ``remainder`` key (bf16 params with
+         CUDA, then a CUDA event); the worker reports the bucket done (``Progress``), and the
+         main thread starts its all-gather, which waits for that event only (param_sync.py:
+         at once without ``overlap_param_sync``, else when a forward needs the bucket or
+         before the next grad sync). A ``remainder`` key (bf16 params with
          int16 remainders) keeps no host copy of its params: the bucket's bf16 params come down
          into a slot of their own beside the grads, the kernel updates them there with the host
          remainders, and they go back up.
 
-    Update rules whose step has per-step extras outside the kernel calls (SGD's momentum flag,
-    LAMB's and NovoGrad's all-reduced per-tensor norms) take the whole shard in one pass
-    instead: grads are staged for the whole key first (``host_state.stage_grads``). There are
+    Buckets may also be handed over during backward, as soon as their reduce-scatter is
+    launched (see Note: updates during backward in offload_backward.py); ``step()`` then hands
+    over only the rest, as another job of the same ``Progress``. The worker reads a
+    ``frozen_view`` of the optimizer: the param groups and skipped-step
+    counts as ``step()`` left them, so a scheduler stepped on the main thread meanwhile changes
+    only the next step. Keys whose sync space is written from the masters (``out_by_copy``)
+    make ``step()`` wait for the worker before ``write_sync_space``.
+
+    Per-step values an update rule writes once per step (SGD's momentum flags,
+    ``per_step_attributes``) are the view's own copies, reset before each bucket. Update rules
+    with all-reduced per-tensor norms (LAMB, NovoGrad) take the whole shard in one pass on the
+    main thread instead: grads are staged for the whole key first
+    (``host_state.stage_grads``). There are
     ``staging_slots`` slots per direction, each the size of the key's largest bucket chunk; a
     slot is reused only once the copy that last used it has finished. On a CPU job the copies
     are host copies and run in the same order, so the schedule is the one CI tests.
@@ -29,12 +46,16 @@ Note: the offloaded step
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 
 import torch
 
 from shardopt.zero import host_state
 from shardopt.zero.flat_buffer import ChunkedShard
 from shardopt.zero.layout import Range
+from shardopt.zero.offload_backward import EarlyUpdates
+from shardopt.zero.offload_worker import OffloadWorker, Progress
 
 
 class _Slots:
@@ -79,7 +100,9 @@ class _Slots:
 class OffloadPipeline:
     """The staging slots and copy streams of one optimizer's offloaded keys."""
 
-    def __init__(self, keys: list, device: torch.device, slots: int, pin: bool) -> None:
+    def __init__(
+        self, keys: list, device: torch.device, slots: int, pin: bool, overlap_backward=False
+    ) -> None:
         self.cuda = device.type == "cuda"
         pin = pin and self.cuda
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
@@ -96,6 +119,10 @@ class OffloadPipeline:
                 self.out_slots[key.index] = _Slots(slots, numel, out_dtype, pin)
             if buf.master_kind == "remainder":  # the bf16 half of the masters, down and up
                 self.param_slots[key.index] = _Slots(slots, numel, buf.param_space.dtype, pin)
+        #: the thread that runs the offloaded updates (started by the first step)
+        self.worker = OffloadWorker(device)
+        #: the updates that start during backward (offload_backward.py)
+        self.early = EarlyUpdates(overlap_backward)
 
     @classmethod
     def of(cls, optimizer, settings) -> OffloadPipeline | None:
@@ -103,7 +130,17 @@ class OffloadPipeline:
         keys = [k for k in optimizer.keys if k.buffers.offloaded]
         if settings is None or not keys or not optimizer.bucketwise_update:
             return None  # nothing offloaded, or the whole-shard path (no slots)
-        return cls(keys, optimizer.device, settings.staging_slots, settings.pin_memory)
+        pipeline = cls(
+            keys,
+            optimizer.device,
+            settings.staging_slots,
+            settings.pin_memory,
+            settings.overlap_backward if optimizer.redundant_process_group is None else False,
+        )  # fmt: skip (HSDP: the grads take one more all-reduce after the reduce-scatters)
+        # the last step's all-gathers still with the worker start before the next grad sync
+        optimizer.grad_sync.before_sync = optimizer.param_sync.flush
+        pipeline.early.attach(optimizer)
+        return pipeline
 
     def pinned_bytes(self) -> int:
         """Page-locked host bytes held (the staging slots only; the state is never pinned)."""
@@ -128,14 +165,15 @@ class OffloadPipeline:
             event.record(stream)
         return event
 
-    def _stage(self, key, bucket) -> tuple:
-        """The bucket's grad chunk (and a remainder key's bf16 params) into the next slots:
-        (grads, params or None, the params' slot, the copy's event)."""
+    def _stage(self, key, bucket, shards: dict) -> tuple:
+        """The bucket's grad chunk (from ``shards``, the grad shards by key) and a remainder
+        key's bf16 params into the next slots: (grads, params or None, the params' slot, the
+        copy's event)."""
         buf = key.buffers
         ring = self.grad_slots[key.index]
         i, slot = ring.take()
         grads = slot[: bucket.chunk_numel]
-        event = self._copy(self.d2h, grads, buf.shard_of_bucket(buf.grad_shard, bucket))
+        event = self._copy(self.d2h, grads, buf.shard_of_bucket(shards[key.index], bucket))
         ring.events[i] = event
         params, j = None, None
         if key.index in self.param_slots:
@@ -146,24 +184,48 @@ class OffloadPipeline:
             ring.events[j] = event  # reused only after its copy back (set below)
         return grads, params, j, event
 
-    @torch.no_grad()
-    def run(self, optimizer, keys: list, scalars, skipped: bool) -> None:
-        """Updates the offloaded ``keys`` bucket by bucket (see Note: the offloaded step)."""
+    def submit(
+        self, optimizer, work: list, scalars, skipped: bool, progress: Progress, *, view=None,
+        ready=None,
+    ) -> None:  # fmt: skip
+        """Hands the update of the offloaded buckets ``work`` ((key, bucket) pairs, in the order
+        to run them) to the worker thread as a job of ``progress`` (see Note: the offloaded
+        step); ``view``: the optimizer as the job sees it (``frozen_view``); ``ready``: called
+        on the worker first (with the copy stream current on CUDA), e.g. a reduce-scatter's
+        wait."""
+        # the grad shards as they are now: the main thread drops its own references when the
+        # iteration ends (a CUDA block freed then is reused only after the copy stream's reads)
+        grads = {key.index: key.buffers.grad_shard for key, _ in work}
         if self.cuda:  # after what the compute stream did to the grads and the sync space
             self.d2h.wait_stream(torch.cuda.current_stream())
             self.h2d.wait_stream(torch.cuda.current_stream())
-        work = [(key, b) for key in keys for b in key.layout.buckets]
-        staged = self._stage(*work[0]) if work else None
+            for g in grads.values():
+                g.record_stream(self.d2h)
+        view = frozen_view(optimizer) if view is None else view
+        threads = optimizer.offload_plan.threads
+
+        def job() -> None:
+            with torch.no_grad(), host_state.threads(threads):
+                if ready is not None:
+                    with torch.cuda.stream(self.d2h) if self.cuda else contextlib.nullcontext():
+                        ready()
+                self._run(view, work, grads, scalars, skipped, progress)
+
+        self.worker.submit(job, progress)
+
+    def _run(self, optimizer, work: list, grads: dict, scalars, skipped: bool, progress) -> None:
+        """The worker thread: each bucket's update, in ``work``'s order."""
+        staged = self._stage(*work[0], grads) if work else None
         for n, (key, bucket) in enumerate(work):
             buf = key.buffers
-            grads, params, param_slot, event = staged
+            grad_slot, params, param_slot, event = staged
             ahead = len(self.grad_slots[key.index].buffers) > 1
             if n + 1 < len(work) and ahead:  # the next transfer overlaps this bucket's update
-                staged = self._stage(*work[n + 1])
+                staged = self._stage(*work[n + 1], grads)
             if event is not None:
                 event.synchronize()
             shard = Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
-            buf.host_grad = ChunkedShard([grads], [shard.start])
+            buf.host_grad = ChunkedShard([grad_slot], [shard.start])
             out = None
             if key.index in self.out_slots:
                 o, out = self.out_slots[key.index].take()
@@ -173,14 +235,15 @@ class OffloadPipeline:
             if params is not None:  # the staged bf16 half of the masters, updated in place
                 buf.master = ChunkedShard([params], [shard.start])
             try:
+                restart(optimizer)
                 with optimizer.update_calls.within(key, shard):
                     optimizer._update(scalars)
                     calls = optimizer._calls(key)
             finally:
                 source = buf.master if out is None else buf.host_out
                 buf.master = device_master
+            event = None
             if not skipped and not buf.out_by_copy:
-                event = None
                 for call in calls:
                     for shard_r, space_r in zip(call.shard_ranges, call.space_ranges):
                         event = self._copy(
@@ -193,10 +256,49 @@ class OffloadPipeline:
                 if params is not None:
                     self.param_slots[key.index].events[param_slot] = event
             host_state.release(buf)
+            progress.publish((key.index, bucket.index), event)  # its all-gather may start
             if n + 1 < len(work) and not ahead:  # one slot: the next copy after the update
-                staged = self._stage(*work[n + 1])
-        if self.cuda:  # the all-gathers read what the copies wrote
-            torch.cuda.current_stream().wait_stream(self.h2d)
+                staged = self._stage(*work[n + 1], grads)
+
+
+def frozen_view(optimizer, steps_ahead: int = 0, unused: frozenset[int] | None = None):
+    """The optimizer as the worker sees it: its attributes, except the step's hyperparameters
+    (shallow copies of the param groups) and skipped-step counts, frozen as they are now, so a
+    scheduler or ``update_calls.end`` on the main thread while the worker runs does not change
+    this step (the next step waits for the worker before it writes them). ``steps_ahead``: the
+    groups' step counts to add (an update during backward, before ``step()`` counts it);
+    ``unused``: this step's params without grads, when ``step()`` has not set them yet."""
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    view.param_groups = [dict(g) for g in optimizer.param_groups]
+    for group in view.param_groups:  # on the host once per step, not once per kernel call
+        group["step"] = host_state.to_host(group["step"]) + steps_ahead
+    calls = copy.copy(optimizer.update_calls)
+    calls.offsets = list(calls.offsets)
+    calls.window = None
+    if unused is not None:
+        calls.unused = unused
+    view.update_calls = calls
+    # what the update writes once per step (SGD's momentum flags): the worker's own copies,
+    # reset to the values before the step ahead of each bucket (``restart``)
+    saved = {}
+    for name in getattr(type(optimizer), "per_step_attributes", ()):
+        saved[name] = [t.clone() for t in getattr(optimizer, name)]
+        setattr(view, name, [t.clone() for t in saved[name]])
+    view._offload_saved = saved
+    return view
+
+
+def restart(view) -> None:
+    """Before each bucket's update on the worker: the per-step attributes as before the step."""
+    for name, saved in view._offload_saved.items():
+        for t, s in zip(getattr(view, name), saved):
+            t.copy_(s)
+
+
+def forward_order(keys: list) -> list:
+    """(key, bucket) of every bucket of ``keys`` in forward order (param_sync.py's)."""
+    return [(key, b) for key in keys for b in reversed(key.layout.buckets)]
 
 
 def update(optimizer, scalars) -> None:
@@ -211,10 +313,26 @@ def update(optimizer, scalars) -> None:
     plan = optimizer.offload_plan
     pipeline = optimizer._offload_pipeline
     if optimizer.bucketwise_update:
+        early = pipeline.early
+        progress, done = early.at_step(optimizer, scalars)  # raises on misuse, on every rank
+        view = frozen_view(optimizer)  # before the GPU keys' update writes the per-step values
         with optimizer.update_calls.within(None, None):
             optimizer._update(scalars)  # the GPU keys
-        with host_state.threads(plan.threads):
-            pipeline.run(optimizer, offloaded, scalars, skipped)
+        work = forward_order(offloaded)
+        progress = Progress([(k.index, b.index) for k, b in work]) if progress is None else progress
+        rest = [(k, b) for k, b in work if (k.index, b.index) not in done]
+        if rest:  # the step's scalars on the host once, not once per kernel call
+            host = dataclasses.replace(
+                scalars,
+                grad_scale_t=host_state.to_host(scalars.grad_scale_t),
+                found_inf_t=host_state.to_host(scalars.found_inf_t),
+            )
+            pipeline.submit(optimizer, rest, host, skipped, progress, view=view)
+        progress.seal()
+        optimizer.param_sync.defer(progress)
+        if any(k.buffers.out_by_copy for k in offloaded):
+            progress.wait_finished()  # write_sync_space reads their host masters next
+            progress.raise_error()
         return
     for key in offloaded:
         host_state.stage_grads(key.buffers)
@@ -222,3 +340,12 @@ def update(optimizer, scalars) -> None:
         optimizer._update(scalars)
     for key in offloaded:
         host_state.publish(key.buffers, optimizer._calls(key), skipped)
+
+
+def close(optimizer) -> None:
+    """``close()``: finishes the last step (its worker updates and all-gathers) and stops the
+    worker thread."""
+    optimizer.wait_param_sync()
+    pipeline = optimizer._offload_pipeline
+    if pipeline is not None:
+        pipeline.worker.stop()

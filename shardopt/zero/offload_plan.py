@@ -45,12 +45,19 @@ class CPUOffload:
             (``LOCAL_WORLD_SIZE``).
         staging_slots: page-locked staging buffers per direction (each the size of the largest
             bucket chunk).
+        overlap_backward: start an offloaded bucket's CPU update during backward, as soon as
+            its reduce-scatter is done (Adam, SGD, Adagrad; every param of the bucket must have a
+            grad on this rank). Exact only without clipping, GradScaler or a second
+            synchronised backward per step; an iteration with it on that does one of those
+            raises. ``"auto"``: on from the second step when the previous step did none of
+            those; ``True``: from the first step (see docs/offload.md).
     """
 
     fraction: Fraction = 1.0
     pin_memory: bool = True
     threads: int | None = None
     staging_slots: int = 4
+    overlap_backward: bool | Literal["auto"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,11 @@ def resolve(owner: str, offload: object) -> CPUOffload | None:
     pin = offload.pin_memory
     if not isinstance(pin, bool):
         raise TypeError(f"{owner}: CPUOffload.pin_memory must be a bool, got {pin!r}")
+    ob = offload.overlap_backward
+    if not isinstance(ob, bool) and ob != "auto":
+        raise ValueError(
+            f"{owner}: CPUOffload.overlap_backward must be True, False or 'auto', got {ob!r}"
+        )
     return offload
 
 

@@ -180,6 +180,11 @@ class DistributedFusedSGD(DistributedOptimizer):
     device flag, so a first step skipped by a GradScaler needs no host sync either.
     """
 
+    bucketwise_update = True
+    #: written once per step by ``_update``: CPU offload's per-bucket updates each start from
+    #: the values before the step (offload_pipeline.frozen_view)
+    per_step_attributes = ("_momentum_started",)
+
     state_names = ("momentum_buffer",)
 
     def __init__(

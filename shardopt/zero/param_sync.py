@@ -6,6 +6,14 @@ gathered in fp32, else into the sync buffer); ``start()`` all-gathers every buck
 forward pre-hook waits, before each module's forward, only for the buckets holding that module's
 own params, so the all-gathers of later layers overlap the forward of earlier ones; any other
 read of the params needs ``wait()`` first.
+
+With CPU offload the offloaded buckets are updated by the offload worker thread after ``step()``
+has handed them over (offload_worker.py): ``defer`` names them, and their all-gathers are started
+from this (the main) thread in the worker's order, each once the worker has updated its bucket:
+all of them before ``start()`` returns without overlap; with overlap, those up to the bucket a
+forward needs in its pre-hook, and the rest in ``flush()`` (before this rank's next collective
+of the grad sync) or ``wait()``. Collectives stay in one order on every rank, decided by the
+program, never by the worker's timing.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import torch
 
 from shardopt.zero import comm, host_state
 from shardopt.zero.grad_sync import BucketId
+from shardopt.zero.offload_worker import Progress
 from shardopt.zero.sharded_params import ShardedParams
 from shardopt.zero.sync_bits import sync_to_params, write_sync
 
@@ -39,30 +48,82 @@ class ParamSync:
         self._forward_hook = None
         self._module_buckets: dict[int, list[BucketId]] = {}
         self._watch_hook = self._watch_modules() if overlap else None
+        #: the offload worker's buckets of the next ``start()`` (see ``defer``)
+        self._next_progress: Progress | None = None
+        #: the offload worker's buckets of the last step, and how many are all-gathering
+        self.progress: Progress | None = None
+        self._issued = 0
+        self._deferred_index: dict[BucketId, int] = {}
+
+    def defer(self, progress: Progress) -> None:
+        """The next ``start()`` leaves ``progress.order``'s buckets to the offload worker: their
+        all-gathers start once it has updated them."""
+        self._next_progress = progress
+
+    @property
+    def busy(self) -> bool:
+        """Whether an all-gather of the last step is in flight or not started yet."""
+        return bool(self.pending) or self.progress is not None
 
     def start(self) -> None:
         """All-gathers every bucket; waits unless overlapping with the next forward."""
         if self._watch_hook is not None:
             self._watch_hook.remove()
             self._watch_hook = None
+        progress, self._next_progress = self._next_progress, None
+        deferred = {} if progress is None else {b: n for n, b in enumerate(progress.order)}
         pending: dict[BucketId, comm.Handle] = {}
         for key in self.sharded.keys:
-            buf = key.buffers
-            # integer bits travel as bytes (neither gloo nor NCCL has every integer type)
             for bucket in reversed(key.layout.buckets):  # the update wrote this rank's chunk
-                pending[(key.index, bucket.index)] = comm.all_gather(
-                    _bytes_of(buf.bucket(buf.sync_space, bucket)),
-                    _bytes_of(buf.chunk(buf.sync_space, bucket)),
-                    self.process_group,
-                    async_op=True,
-                )
+                if (key.index, bucket.index) not in deferred:
+                    pending[(key.index, bucket.index)] = self._all_gather(key, bucket)
         self.pending = pending
-        if not pending:
+        self.progress = progress if deferred else None
+        self._issued = 0
+        self._deferred_index = deferred
+        if not self.busy:
             self.on_published()
         elif not self.overlap:
             self.wait()
         else:
             self._install_forward_wait()
+
+    def _all_gather(self, key, bucket) -> comm.Handle:
+        buf = key.buffers
+        # integer bits travel as bytes (neither gloo nor NCCL has every integer type)
+        return comm.all_gather(
+            _bytes_of(buf.bucket(buf.sync_space, bucket)),
+            _bytes_of(buf.chunk(buf.sync_space, bucket)),
+            self.process_group,
+            async_op=True,
+        )
+
+    def _start_deferred(self, upto: int) -> None:
+        """Starts the all-gathers of the worker's buckets up to number ``upto``, in its order,
+        each once the worker has updated it; after the last one, raises what the worker raised
+        (every rank's all-gathers are started first, so none hangs)."""
+        progress = self.progress
+        while progress is not None and self._issued <= upto:
+            n = self._issued
+            key_index, bucket_index = progress.order[n]  # (the same order on every rank)
+            event = progress.wait_bucket(n)
+            if event is not None:  # the bucket's copy into the sync space
+                torch.cuda.current_stream().wait_event(event)
+            key = self.sharded.keys[key_index]
+            bucket_id = (key_index, bucket_index)
+            self.pending[bucket_id] = self._all_gather(key, key.layout.buckets[bucket_index])
+            self._issued = n + 1
+        if progress is not None and self._issued == len(progress.order):
+            progress.wait_finished()  # nothing of the step is left on the worker
+            self.progress = None
+            self._deferred_index = {}
+            progress.raise_error()
+
+    def flush(self) -> None:
+        """Starts every all-gather of the last step not started yet (waiting for the offload
+        worker); called before this rank's next collective, so collectives keep one order."""
+        if self.progress is not None:
+            self._start_deferred(len(self.progress.order) - 1)
 
     @torch.no_grad()
     def write_sync_space(self, found_inf_t: torch.Tensor | None) -> None:
@@ -96,6 +157,9 @@ class ParamSync:
         self.wait()
 
     def _finish_bucket(self, bucket_id: BucketId) -> None:
+        n = self._deferred_index.get(bucket_id)
+        if n is not None and n >= self._issued:  # still with the offload worker
+            self._start_deferred(n)
         handle = self.pending.pop(bucket_id, None)
         if handle is None:
             return
@@ -105,11 +169,12 @@ class ParamSync:
         if buf.sync_space is not buf.param_space:
             bucket = key.layout.buckets[bucket_id[1]]
             sync_to_params(buf.bucket(buf.param_space, bucket), buf.bucket(buf.sync_space, bucket))
-        if not self.pending:
+        if not self.busy:
             self.on_published()
 
     def wait(self) -> None:
-        """Finishes every in-flight all-gather of the last step."""
+        """Finishes every all-gather of the last step (and the offload worker's updates)."""
+        self.flush()
         for bucket_id in list(self.pending):
             self._finish_bucket(bucket_id)
         self._remove_forward_hook()
@@ -182,7 +247,7 @@ class ParamSync:
                 return
             for bucket_id in sync._buckets_of(module):
                 sync._finish_bucket(bucket_id)
-            if not sync.pending:
+            if not sync.busy:
                 sync._remove_forward_hook()
 
         self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(

@@ -68,6 +68,7 @@ class StateIO:
         ``publish_masters()`` encodes what was written into them. Every writer ends with
         ``publish_masters()``.
         """
+        self.wait_param_sync()  # the last step's update and all-gathers (CPU offload: its worker)
         sharded = self.sharded
         sharded.pull_written_params()  # CPU offload: host copies of the params follow them
         staged = getattr(self, "_staged", None)
@@ -309,6 +310,7 @@ class StateIO:
     @torch.no_grad()
     def _scatter_state_dict(self, state_dict: dict[str, Any]) -> None:
         name = type(self).__name__
+        self.wait_param_sync()  # nothing of the last step may write the state after this
         error = None
         try:  # a state dict refused on one rank must be refused on every rank, not hang them
             saved_groups, saved_id = self._check_loaded(state_dict)

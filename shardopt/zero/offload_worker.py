@@ -1,0 +1,161 @@
+"""CPU offload, the worker: the thread that runs one optimizer's offloaded bucket updates.
+
+One ``OffloadWorker`` per optimizer with bucket-by-bucket offloaded keys (offload_pipeline.py).
+Its thread is started by the first step, is a daemon (it never keeps the interpreter alive), and
+is stopped by ``close()`` or when the optimizer is collected. A step hands it one job, the
+update of every offloaded bucket in forward order (see Note: the offloaded step in
+offload_pipeline.py); the job reports each bucket through a ``Progress`` as soon as its new
+params are on their way into the sync space, and ``param_sync.py`` starts the bucket's
+all-gather from the main thread once it is (collectives are issued by one thread only, in the
+same order on every rank, so the ranks' collectives pair up whatever the timing).
+
+The C++ kernels release the GIL (csrc/bindings.cpp), so the main thread runs the next forward,
+or the rest of the step, while the worker's kernels run on the offload thread budget. An error
+in the job is kept with its traceback and raised on the main thread at the next synchronisation
+point (``Progress.raise_error``), after every all-gather of the step has been started, so the
+other ranks' all-gathers still complete and no rank hangs.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+
+class Progress:
+    """What the worker has done of one step's offloaded buckets: ``order`` is the order their
+    all-gathers start in (forward order, the same on every rank); the worker may update them in
+    another (buckets updated during backward first, see offload_backward.py). The step's jobs
+    are counted; it is finished once it is sealed (``step()`` submitted its last job) and every
+    job has ended."""
+
+    def __init__(self, order: list[tuple[int, int]]) -> None:
+        #: (key index, bucket index) of every offloaded bucket, in all-gather order
+        self.order = order
+        self._events: dict[tuple[int, int], torch.cuda.Event | None] = {}
+        self._jobs = 0
+        self._sealed = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def add_job(self) -> None:
+        with self._cond:
+            self._jobs += 1
+
+    def seal(self) -> None:
+        """No job of this step is submitted after this one."""
+        with self._cond:
+            self._sealed = True
+            self._cond.notify_all()
+
+    def publish(self, bucket_id: tuple[int, int], event: torch.cuda.Event | None) -> None:
+        """The worker: ``bucket_id`` is updated; ``event`` (CUDA) marks its copy into the sync
+        space."""
+        with self._cond:
+            self._events[bucket_id] = event
+            self._cond.notify_all()
+
+    def job_done(self, error: BaseException | None) -> None:
+        """The worker: a job ended (``error``: what it raised; the first is kept)."""
+        with self._cond:
+            self._jobs -= 1
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    @property
+    def finished(self) -> bool:
+        return self._sealed and self._jobs == 0
+
+    def wait_bucket(self, n: int) -> torch.cuda.Event | None:
+        """Blocks until bucket number ``n`` of ``order`` is updated (or the step's jobs ended
+        without it: an error); the event its all-gather must wait for (None on a CPU job, on a
+        skipped step, or after an error)."""
+        bucket_id = self.order[n]
+        with self._cond:
+            self._cond.wait_for(lambda: bucket_id in self._events or self.finished)
+            return self._events.get(bucket_id)
+
+    def wait_finished(self) -> None:
+        """Blocks until every job of the (sealed) step has ended."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.finished)
+
+    def raise_error(self) -> None:
+        """Raises what a job raised (once), with its original traceback."""
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(
+                "CPU offload: the update of the offloaded buckets failed in the offload worker "
+                f"thread ({type(error).__name__}: {error}); the params of this step are not "
+                "all updated"
+            ) from error
+
+
+def _loop(jobs: queue.SimpleQueue) -> None:
+    """The worker thread: runs jobs until the stop mark (None). Holds no reference to the
+    optimizer between jobs, so the optimizer can be collected while the thread waits."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, progress = job
+        del job
+        error = None
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, never lost
+            error = e
+        finally:
+            del fn
+            progress.job_done(error)
+            del progress
+
+
+def _stop(jobs: queue.SimpleQueue, thread: list[threading.Thread]) -> None:
+    if thread:
+        jobs.put(None)
+        if thread[0] is not threading.current_thread():
+            thread[0].join()
+        thread.clear()
+
+
+class OffloadWorker:
+    """The persistent thread of one optimizer's offloaded updates (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: list[threading.Thread] = []  # the thread, once started
+        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread is running."""
+        return bool(self._thread) and self._thread[0].is_alive()
+
+    def submit(self, fn: Callable[[], None], progress: Progress) -> None:
+        """Runs ``fn`` on the worker thread (started on first use), as a job of ``progress``'s
+        step."""
+        progress.add_job()
+        if not self._thread:
+            device = self.device
+
+            def run(jobs: queue.SimpleQueue = self._jobs) -> None:
+                if device.type == "cuda":  # the thread's current device is the optimizer's
+                    torch.cuda.set_device(device)
+                _loop(jobs)
+
+            thread = threading.Thread(target=run, name="shardopt-offload", daemon=True)
+            thread.start()
+            self._thread.append(thread)
+        self._jobs.put((fn, progress))
+
+    def stop(self) -> None:
+        """Stops the thread after the job in hand (idempotent; a later submit starts another)."""
+        _stop(self._jobs, self._thread)
