@@ -44,6 +44,7 @@ import shardopt
 from shardopt import checkpoint
 from shardopt.checkpoint import CheckpointError
 from shardopt.checkpoint import format as fmt
+from shardopt.checkpoint import metadata as meta
 
 PG_TIMEOUT = 20.0
 EXIT_SLACK = 40.0  # seconds a survivor may take beyond PG_TIMEOUT to raise and exit
@@ -103,7 +104,7 @@ def _fault(scenario, rank, victim, model, opt, root: Path, world):
             checkpoint.save(root / "next", opt, model)
     elif scenario == "mid_save_publisher":
         _train_step(model, opt, 2, rank, world)
-        with mock.patch.object(fmt, "write_metadata_text", _die) if me else nullcontext():
+        with mock.patch.object(meta, "write_metadata_text", _die) if me else nullcontext():
             checkpoint.save(root / "next", opt, model)
     elif scenario == "mid_load":
         torch.manual_seed(5)
