@@ -231,7 +231,9 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
         planning = not torch.compiler.is_compiling()  # Dynamo traces the general path
         plans = self._plans()
         work = self._collect(plans if planning else None)
-        versions = self._versions() if self.master_weights else None
+        # a compiled step does not follow writes (Dynamo traces no version counters; see the Note)
+        following = self.master_weights and not torch.compiler.is_compiling()
+        versions = self._versions() if following else None
         if versions is not None:  # see Note: the params are the truth, masters.py
             for w in work:
                 versions.follow(self.state, w.params, self._keeps_master)

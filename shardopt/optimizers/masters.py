@@ -15,7 +15,9 @@ The check per step is two C-level ``map`` loops over a group's params (their ids
 counters against the ones recorded), no pass over the data; only a changed param costs a device
 op. Versions are recorded against one ``optimizer.state`` object: ``load_state_dict`` installs a
 new one, so every loaded master is checked against the params at the next step. Writes through
-``p.data`` bypass the counter and are not seen.
+``p.data`` bypass the counter and are not seen, and neither is anything under ``torch.compile``
+(a compiled ``step()`` cannot read version counters: there the masters are kept as they are, as
+before this check existed).
 """
 
 from __future__ import annotations
