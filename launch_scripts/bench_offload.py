@@ -7,8 +7,8 @@
 
 Per model size (``--sizes`` WIDTHxDEPTH, or ``--width`` and ``--depth``) every contender of
 bench_offload_peers.py runs in a fresh subprocess (bench_offload_worker.py), with and without
-grad clipping (max norm 1.0) in the same process (``offload_auto``: one process per setting,
-its fraction is picked from the schedule it sees). Batch 4 x 2048 tokens, random tokens, AdamW.
+grad clipping (max norm 1.0) in the same process (shardopt offload: one process per setting,
+updating during backward only without clipping, ``CPUOffload(overlap_backward=...)``). Batch 4 x 2048 tokens, random tokens, AdamW.
 Printed: a markdown table (step ms, ratio against no offload and against DeepSpeed's offload at
 the same clip setting, GPU peak, host RSS, host bytes per param, tokens/s) and the full-offload
 target: step <= 1.1x max(forward+backward, CPU update). A contender that cannot run here prints
@@ -139,7 +139,7 @@ class Runner:
 
 
 def worker_specs(name: str, args: argparse.Namespace, width: int, depth: int) -> list[Spec]:
-    """The worker processes of contender ``name`` (one per clip setting for ``offload_auto``)."""
+    """The worker processes of contender ``name`` (one per clip setting for shardopt offload)."""
     base = Spec(
         contender=name,
         device=args.device,
@@ -155,7 +155,7 @@ def worker_specs(name: str, args: argparse.Namespace, width: int, depth: int) ->
         threads=args.threads,
         checkpointing=args.checkpointing,
     )
-    if name == "offload_auto" and len(base.clips) > 1:
+    if name in ("offload", "offload_auto", "offload_compact") and len(base.clips) > 1:
         return [dataclasses.replace(base, clips=(c,)) for c in base.clips]
     return [base]
 

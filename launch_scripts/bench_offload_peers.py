@@ -148,14 +148,17 @@ def _zero_grads(model: nn.Module) -> None:
 # -- shardopt -------------------------------------------------------------------------------------
 
 
-def _shardopt(model: nn.Module, offload: Any, **storage: Any) -> Trainer:
+def _shardopt(
+    model: nn.Module, offload: Any, overlap_backward: bool = False, **storage: Any
+) -> Trainer:
     import shardopt
 
     kwargs: dict[str, Any] = dict(storage)
     if offload is not None:
         if not hasattr(shardopt, "CPUOffload"):
             raise Skipped("this shardopt has no CPU offload (shardopt.CPUOffload is missing)")
-        kwargs["offload"] = shardopt.CPUOffload(fraction=offload)
+        # updates during backward only where the step does not clip (exact only then)
+        kwargs["offload"] = shardopt.CPUOffload(fraction=offload, overlap_backward=overlap_backward)
     try:
         opt = shardopt.DistributedFusedAdam(
             model.parameters(),
@@ -322,9 +325,15 @@ def preimport(name: str) -> None:
 
 
 def build(
-    name: str, cfg: GPTConfig, device: torch.device, batch: int, checkpointing: bool = False
+    name: str,
+    cfg: GPTConfig,
+    device: torch.device,
+    batch: int,
+    checkpointing: bool = False,
+    clips: tuple[bool, ...] = (False,),
 ) -> Trainer:
-    """The trainer of contender ``name`` over a new GPT of ``cfg`` (not ``cpu_update``)."""
+    """The trainer of contender ``name`` over a new GPT of ``cfg`` (not ``cpu_update``); the
+    shardopt offload contenders update during backward when no phase of ``clips`` clips."""
     if name in GPU_ONLY and device.type != "cuda":
         raise Skipped(f"{name} needs a CUDA device")
     preimport(name)
@@ -333,12 +342,15 @@ def build(
         return _fwd_bwd(model)
     if name == "no_offload":
         return _shardopt(model, None)
+    during_backward = not any(clips)
     if name == "offload":
-        return _shardopt(model, 1.0)
+        return _shardopt(model, 1.0, during_backward)
     if name == "offload_auto":
-        return _shardopt(model, "auto")
+        return _shardopt(model, "auto", during_backward)
     if name == "offload_compact":
-        return _shardopt(model, 1.0, store_param_remainders=True, state_format="int8")
+        return _shardopt(
+            model, 1.0, during_backward, store_param_remainders=True, state_format="int8"
+        )
     if name == "torch_fused":
         return _torch_fused(model)
     if name == "deepspeed_offload":

@@ -117,7 +117,7 @@ def init_process_group(backend: str) -> None:
 def cpu_update(n_params: int, spec: Spec) -> dict[str, Any]:
     """shardopt's CPU Adam over ``n_params`` host elements in chunks of ``spec.cpu_chunk``: fp32
     masters and moments, bf16 grads in, bf16 params out (the cast fused into the update)."""
-    from shardopt import _ops
+    from shardopt import kernels as _ops
 
     sizes = [min(spec.cpu_chunk, n_params - i) for i in range(0, n_params, spec.cpu_chunk)]
     grads = [torch.empty(n, dtype=torch.bfloat16).uniform_(-1e-3, 1e-3) for n in sizes]
@@ -143,7 +143,7 @@ def cpu_update(n_params: int, spec: Spec) -> dict[str, Any]:
             times.append((time.perf_counter() - start) * 1e3)
     return {
         "phases": [{"clip": False, "step_ms": statistics.median(times), "times_ms": times}],
-        "settings": {"kernel": "shardopt._ops.adam (CPU)", "chunks": len(sizes)},
+        "settings": {"kernel": "shardopt.kernels.adam (CPU)", "chunks": len(sizes)},
     }
 
 
@@ -152,7 +152,7 @@ def cpu_update(n_params: int, spec: Spec) -> dict[str, Any]:
 
 def run_trainer(spec: Spec, device: torch.device) -> dict[str, Any]:
     cfg = model_config(spec.width, spec.depth, spec.vocab, spec.seq)
-    trainer = build(spec.contender, cfg, device, spec.batch, spec.checkpointing)
+    trainer = build(spec.contender, cfg, device, spec.batch, spec.checkpointing, spec.clips)
     generator = torch.Generator(device=device).manual_seed(1234)
     idx, targets = (
         torch.randint(spec.vocab, (spec.batch, spec.seq), device=device, generator=generator)

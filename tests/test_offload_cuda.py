@@ -244,9 +244,12 @@ def test_worker_overlaps_backward():
         )  # fmt: skip
         gen = torch.Generator(device="cuda").manual_seed(1)
         stamps, ends = [], []
-        model[0].weight.register_post_accumulate_grad_hook(
-            lambda p, ends=ends: (torch.cuda.synchronize(), ends.append(time.perf_counter()))
-        )
+
+        def last_grad(p, ends=ends) -> None:  # a hook must return None
+            torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+
+        model[0].weight.register_post_accumulate_grad_hook(last_grad)
         publish = Progress.publish
 
         def stamped(self, bucket_id, event, stamps=stamps, publish=publish):

@@ -49,15 +49,16 @@ class CPUOffload:
             its reduce-scatter is done (Adam, SGD, Adagrad; every param of the bucket must have a
             grad on this rank). Exact only without clipping, GradScaler or a second
             synchronised backward per step; an iteration with it on that does one of those
-            raises. ``"auto"``: on from the second step when the previous step did none of
-            those; ``True``: from the first step (see docs/offload.md).
+            raises. ``False`` (the default): never, the update starts in ``step()``;
+            ``"auto"``: on from the second step when the previous step did none of those;
+            ``True``: from the first step (see docs/offload.md).
     """
 
     fraction: Fraction = 1.0
     pin_memory: bool = True
     threads: int | None = None
     staging_slots: int = 4
-    overlap_backward: bool | Literal["auto"] = "auto"
+    overlap_backward: bool | Literal["auto"] = False
 
 
 @dataclass(frozen=True)
