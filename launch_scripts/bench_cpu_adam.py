@@ -71,7 +71,7 @@ def make_params(args: argparse.Namespace) -> list[torch.Tensor]:
 
 def shardopt_kernel(args: argparse.Namespace, grad_dtype: torch.dtype) -> Callable[[], None]:
     """One call of shardopt's multi-tensor Adam over fp32 masters and moments writing bf16."""
-    from shardopt import _ops
+    from shardopt import kernels as _ops
 
     params = make_params(args)
     grads = [p.grad.to(grad_dtype) for p in params]  # (a copy for bf16: the fp32 grad goes)

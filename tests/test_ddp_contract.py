@@ -1245,9 +1245,11 @@ def item9_metadata_schema(rank, world):
         work = base / f"schema{i}"
         if rank == 0:
             shutil.copytree(prev, work)
-            meta = json.loads((work / fmt.METADATA).read_text())
-            edit(meta)
-            (work / fmt.METADATA).write_text(json.dumps(meta))
+            edited = json.loads((work / fmt.METADATA).read_text())
+            edited.pop(meta.CHECKSUM, None)
+            edit(edited)
+            # re-signed, so that the schema check (not the metadata checksum) must refuse it
+            (work / fmt.METADATA).write_bytes(meta.encode_signed(edited, work))
         dist.barrier()
         try:
             _assert_load_fails_unchanged(work, opt, model, None, None, key, f"metadata #{i}")

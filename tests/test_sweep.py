@@ -357,7 +357,9 @@ def run_fp32(cfg: Config, rank: int, world: int) -> None:
         if cfg.clip is not None:
             if scaler is not None:
                 scaler.unscale_(opt)
-            norm = opt.clip_grad_norm(cfg.clip)
+            # the scaler named: before the first step() the optimizer cannot know it otherwise
+            # (GradScaler's public methods do not say whether unscale_ ran; docs/api.md)
+            norm = opt.clip_grad_norm(cfg.clip, grad_scaler=scaler)
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -461,7 +463,9 @@ def run_bf16(cfg: Config, rank: int, world: int) -> None:
         if cfg.clip is not None:
             if scaler is not None:
                 scaler.unscale_(opt)
-            norm = opt.clip_grad_norm(cfg.clip)
+            # the scaler named: before the first step() the optimizer cannot know it otherwise
+            # (GradScaler's public methods do not say whether unscale_ ran; docs/api.md)
+            norm = opt.clip_grad_norm(cfg.clip, grad_scaler=scaler)
         if scaler is not None:
             scaler.step(opt)
             scaler.update()

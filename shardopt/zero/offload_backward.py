@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 
 from shardopt.zero.amp import StepScalars
-from shardopt.zero.offload_worker import Progress
+from shardopt.zero.offload_worker import Progress, forward_order, frozen_view
 
 _HOW = (
     "an update that starts during backward cannot know it; pass "
@@ -81,8 +81,6 @@ class EarlyUpdates:
     def launched(self, optimizer, key, bucket_index: int, handle) -> None:
         """A bucket's reduce-scatter was launched during backward: its update starts now when
         every param of it got a grad on this rank."""
-        from shardopt.zero.offload_pipeline import forward_order, frozen_view
-
         buf = key.buffers
         it = optimizer.grad_sync.iteration
         if not self.on or not buf.offloaded or it.rounds:

@@ -18,12 +18,15 @@ other ranks' all-gathers still complete and no rank hangs.
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import weakref
 from collections.abc import Callable
 
 import torch
+
+from shardopt.zero import host_state
 
 
 class Progress:
@@ -159,3 +162,43 @@ class OffloadWorker:
     def stop(self) -> None:
         """Stops the thread after the job in hand (idempotent; a later submit starts another)."""
         _stop(self._jobs, self._thread)
+
+
+def frozen_view(optimizer, steps_ahead: int = 0, unused: frozenset[int] | None = None):
+    """The optimizer as the worker sees it: its attributes, except the step's hyperparameters
+    (shallow copies of the param groups) and skipped-step counts, frozen as they are now, so a
+    scheduler or ``update_calls.end`` on the main thread while the worker runs does not change
+    this step (the next step waits for the worker before it writes them). ``steps_ahead``: the
+    groups' step counts to add (an update during backward, before ``step()`` counts it);
+    ``unused``: this step's params without grads, when ``step()`` has not set them yet."""
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    view.param_groups = [dict(g) for g in optimizer.param_groups]
+    for group in view.param_groups:  # on the host once per step, not once per kernel call
+        group["step"] = host_state.to_host(group["step"]) + steps_ahead
+    calls = copy.copy(optimizer.update_calls)
+    calls.offsets = list(calls.offsets)
+    calls.window = None
+    if unused is not None:
+        calls.unused = unused
+    view.update_calls = calls
+    # what the update writes once per step (SGD's momentum flags): the worker's own copies,
+    # reset to the values before the step ahead of each bucket (``restart``)
+    saved = {}
+    for name in getattr(type(optimizer), "per_step_attributes", ()):
+        saved[name] = [t.clone() for t in getattr(optimizer, name)]
+        setattr(view, name, [t.clone() for t in saved[name]])
+    view._offload_saved = saved
+    return view
+
+
+def restart(view) -> None:
+    """Before each bucket's update on the worker: the per-step attributes as before the step."""
+    for name, saved in view._offload_saved.items():
+        for t, s in zip(getattr(view, name), saved):
+            t.copy_(s)
+
+
+def forward_order(keys: list) -> list:
+    """(key, bucket) of every bucket of ``keys`` in forward order (param_sync.py's)."""
+    return [(key, b) for key in keys for b in reversed(key.layout.buckets)]

@@ -9,6 +9,51 @@ import numbers
 
 import torch
 
+#: the keyword-only sharding arguments every DistributedFused* class takes
+ZERO_ARGS_DOC = """
+    Sharding arguments (keyword-only):
+        process_group: the group the state is sharded over (default: WORLD).
+        redundant_process_group: shards are replicated across this group (HSDP-style): grad
+            shards are all-reduced over it after the reduce-scatter.
+        bucket_cap_mb: bucket size in MB of grad-sync dtype (a positive finite number).
+        dtype: optimizer state dtype: float32, or bfloat16/float16 (16-bit moments; params of
+            that dtype are then their own masters, Apex's meaning).
+        state_format: how the moments are stored (DistributedFusedAdam): "fp32", "bf16",
+            "fp16", "scaled_fp16" (fp16 codes, an fp32 scale per 256-element block) or "int8"
+            (8-bit codes into a dynamic quantisation map, a scale per block); default from
+            ``dtype`` and ``with_scaled_states``. See Note: compact storage.
+        store_param_remainders: (Apex) bf16 params keep an int16 remainder instead of an fp32
+            master: the exact fp32 master is the param's bits plus the remainder; params are
+            rounded half away from zero (DistributedFusedAdam); ValueError where it would change
+            nothing (no bf16 param gathered in bf16, or fp16 params).
+        with_scaled_states: (Apex) ``state_format="scaled_fp16"`` (DistributedFusedAdam).
+        grad_sync_dtype: dtype grads are accumulated and reduce-scattered in (default: the param
+            dtype for fp32 params, float32 for fp16/bf16/fp64 params; fp64 params keep fp32
+            masters and state, as Apex's with dtype=float32).
+        param_sync_dtype: dtype params are all-gathered in (default: the param dtype); an
+            integer dtype of any width carries the bits of each param's value (Apex's bit
+            copy; see Note: integer sync in shardopt/zero/sync_bits.py).
+        average_grad_sync: average (True) or sum grads over ranks.
+        overlap_grad_sync: start a bucket's reduce-scatter during backward once its grads are in.
+        overlap_param_sync: leave the param all-gathers in flight after step() and wait for them
+            just before the next module forward.
+        skip_unused_params: skip params no rank computed a grad for, as torch.optim under
+            DDP(find_unused_parameters=True) does (one small all-reduce and a host sync per
+            step, which also checks that the ranks are in lockstep: see Note: lockstep); False
+            updates them with a zero grad (no sync, no lockstep check). Off under ``capturable``.
+        capturable: the step may be captured in a CUDA graph (with the forward and backward):
+            no host sync, every collective joined before step() returns, lr may be a device
+            tensor; needs overlap_param_sync=False and no GradScaler.
+        offload: "cpu" or a ``shardopt.CPUOffload``: masters and state of (a fraction of) this
+            rank's shard live in host memory, updated there by the same kernels (docs/offload.md).
+        foreach, fused: accepted for torch.optim compatibility; no effect.
+        maximize, differentiable: must be False (True raises NotImplementedError).
+
+    Hyperparameters are checked as by the single-process classes (``check_hyperparams``).
+    ``add_param_group`` after construction raises NotImplementedError: the flat buffers and shards
+    are planned from the param groups at construction.
+"""
+
 FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: Apex's bit-copy path, any width (see Note: integer sync in shardopt/zero/sync_bits.py)
 INTEGER_SYNC_DTYPES = tuple(
