@@ -8,7 +8,8 @@
 Per model size (``--sizes`` WIDTHxDEPTH, or ``--width`` and ``--depth``) every contender of
 bench_offload_peers.py runs in a fresh subprocess (bench_offload_worker.py), with and without
 grad clipping (max norm 1.0) in the same process (shardopt offload: one process per setting,
-updating during backward only without clipping, ``CPUOffload(overlap_backward=...)``). Batch 4 x 2048 tokens, random tokens, AdamW.
+updating during backward only without clipping, ``CPUOffload(overlap_backward=...)``). Batch
+4 x 2048 tokens, random tokens, AdamW.
 Printed: a markdown table (step ms, ratio against no offload and against DeepSpeed's offload at
 the same clip setting, GPU peak, host RSS, host bytes per param, tokens/s) and the full-offload
 target: step <= 1.1x max(forward+backward, CPU update). A contender that cannot run here prints
