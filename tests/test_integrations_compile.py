@@ -232,6 +232,13 @@ def test_tensor_lr_is_read_on_the_device(name):
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb"])
+def test_fused_step_with_fp32_masters_compiles_fullgraph(name):
+    """bf16 params with fp32 masters (CPU, aot_eager): the eager step's check of the params'
+    version counters (masters follow writes into params) stays out of the compiled step."""
+    _compiled_vs_eager(name, torch.device("cpu"), torch.bfloat16, "aot_eager")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", list(SINGLE))
