@@ -341,7 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     env = environment(torch.device(args.device))
-    env["offload_threads_env"] = {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}
+    threads_env = ("OMP_NUM_THREADS", "BENCH_OFFLOAD_THREADS")
+    env["offload_threads_env"] = {k: os.environ[k] for k in threads_env if k in os.environ}
     args.report = {
         "environment": env,
         "args": {k: v for k, v in vars(args).items() if k != "report"},

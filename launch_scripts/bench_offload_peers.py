@@ -28,6 +28,7 @@ API not in this shardopt, a GPU-only peer on a CPU run); its message is the reas
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -158,7 +159,13 @@ def _shardopt(
         if not hasattr(shardopt, "CPUOffload"):
             raise Skipped("this shardopt has no CPU offload (shardopt.CPUOffload is missing)")
         # updates during backward only where the step does not clip (exact only then)
-        kwargs["offload"] = shardopt.CPUOffload(fraction=offload, overlap_backward=overlap_backward)
+        # BENCH_OFFLOAD_THREADS: the update's CPU threads (default: CPUOffload's, every core)
+        threads = os.environ.get("BENCH_OFFLOAD_THREADS")
+        kwargs["offload"] = shardopt.CPUOffload(
+            fraction=offload,
+            overlap_backward=overlap_backward,
+            threads=int(threads) if threads else None,
+        )
     try:
         opt = shardopt.DistributedFusedAdam(
             model.parameters(),

@@ -5,10 +5,12 @@
 # stage named: the build alone, TORCH_CUDA_ARCH_LIST=9.0, which DeepSpeed's op builder also
 # needs numeric; its log lands in $OUT/logs.tgz), then runs the named stages (default: all, in
 # this order):
-#   tests     tests/test_offload_cuda.py (exactness and memory under NCCL, world 1)
+#   tests     tests/test_offload_cuda.py (exactness and memory under NCCL, world 1), or the test
+#             files (pytest arguments) in OFFLOAD_TESTS
 #   cpu_adam  bench_cpu_adam.py, every core, 268M params (builds DeepSpeed's CPU Adam op first)
 #   bench14   bench_offload.py at 2048 x 24 (1.4B), clipping off and on
 #   bench28   bench_offload.py at 2560 x 32 (2.8B), clipping off and on
+#             (BENCH_ARGS: more bench_offload.py arguments, e.g. "--contenders offload,fsdp2_offload")
 #   largest   bench_offload.py --largest in what is left of the budget (LARGEST_BUDGET_S caps it)
 # Each stage gets at most its cap and never more than what is left; a bench that runs out of time
 # records its remaining contenders as skipped. Whatever did not fit runs in a second call on the
@@ -70,7 +72,8 @@ bench() {  # bench NAME WIDTH DEPTH CAP
   [ "$t" -ge 40 ] || { echo "skipped: time budget spent" | tee -a "$SUMMARY"; return; }
   timeout "$t" python3 launch_scripts/bench_offload.py --width "$2" --depth "$3" \
     --warmup 2 --steps 5 --budget-s $((t - 10)) --contender-timeout-s 150 \
-    --log-dir "$LOG/workers_$1" --out "$LOG/bench_offload_$1.json" > "$LOG/bench_offload_$1.log" 2>&1
+    --log-dir "$LOG/workers_$1" --out "$LOG/bench_offload_$1.json" ${BENCH_ARGS:-} \
+    > "$LOG/bench_offload_$1.log" 2>&1
   sed -n '/^| contender/,$p' "$LOG/bench_offload_$1.log" | tee -a "$SUMMARY"
 }
 
@@ -83,14 +86,11 @@ for s in "${stages[@]}"; do
     continue
   fi
   case $s in
-    tests) if [ -f tests/test_offload_cuda.py ]; then
-             timeout "$(allot 120)" python3 -m pytest tests/test_offload_cuda.py -q -p no:cacheprovider \
-               > "$LOG/test_offload_cuda.log" 2>&1
-             grep -E "^(FAILED|ERROR)" "$LOG/test_offload_cuda.log" | head -20 | tee -a "$SUMMARY"
-             tail -1 "$LOG/test_offload_cuda.log" | tee -a "$SUMMARY"
-           else
-             echo "tests/test_offload_cuda.py is not in this checkout" | tee -a "$SUMMARY"
-           fi ;;
+    tests) read -r -a tests <<< "${OFFLOAD_TESTS:-tests/test_offload_cuda.py}"
+           timeout "$(allot 150)" python3 -m pytest "${tests[@]}" -q -p no:cacheprovider \
+             > "$LOG/test_offload_cuda.log" 2>&1
+           grep -E "^(FAILED|ERROR)" "$LOG/test_offload_cuda.log" | head -20 | tee -a "$SUMMARY"
+           tail -1 "$LOG/test_offload_cuda.log" | tee -a "$SUMMARY" ;;
     cpu_adam) # DeepSpeed's CPU Adam op, JIT-built once here (its offload contenders load this build)
               timeout "$(allot 240)" python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
                 > "$LOG/deepspeed_op_build.log" 2>&1
@@ -101,8 +101,8 @@ for s in "${stages[@]}"; do
               OMP_NUM_THREADS=$NCORES timeout "$(allot 150)" python3 launch_scripts/bench_cpu_adam.py \
                 --threads "$NCORES" --out "$LOG/bench_cpu_adam.json" > "$LOG/bench_cpu_adam.log" 2>&1
               sed -n '/^| kernel/,$p' "$LOG/bench_cpu_adam.log" | tee -a "$SUMMARY" ;;
-    bench14) bench 1.4b 2048 24 200 ;;
-    bench28) bench 2.8b 2560 32 260 ;;
+    bench14) bench 1.4b 2048 24 "${BENCH14_S:-200}" ;;
+    bench28) bench 2.8b 2560 32 "${BENCH28_S:-260}" ;;
     largest) t=$(allot "${LARGEST_BUDGET_S:-600}")
              if [ "$t" -ge 60 ]; then
                timeout "$t" python3 launch_scripts/bench_offload.py --largest --budget-s $((t - 10)) \

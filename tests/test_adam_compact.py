@@ -240,8 +240,8 @@ def _sqrt(x):  # correctly rounded fp32 square root (torch's CPU float32 sqrt is
 
 def _fp32_step(state, grads, hyper, step):
     """One step of the blockwise formats from correctly rounded fp32 operations on the CPU, in
-    adam_math.h's order, encoded by state_codec: what the CUDA kernel must give, bit for bit (the
-    CPU kernels may differ in the last bit: -freciprocal-math, shardopt/_build.py)."""
+    adam_math.h's order, encoded by state_codec: what the CPU and CUDA kernels must give, bit for
+    bit."""
 
     def f(x):
         return torch.tensor(x, dtype=torch.float32)
@@ -274,16 +274,13 @@ def _fp32_step(state, grads, hyper, step):
     return want
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["scaled_fp16", "int8"])
 @pytest.mark.parametrize("master", MASTERS)
 @pytest.mark.parametrize("options", OPTIONS)
-def test_blockwise_cuda_is_bit_identical_to_fp32_operations(options, master, fmt):
-    """The CUDA kernel's Adam math (its own division and square-root sequences where the operands
+def test_blockwise_is_bit_identical_to_fp32_operations(options, master, fmt, device):
+    """The kernels' Adam math (on CUDA its own division and square-root sequences where the operands
     allow, adam_blockwise_cuda.cu) gives the bits of one rounded fp32 operation per step, over
     moments from 1e-30 to 1e10, zeros and partial blocks."""
-    device = torch.device("cuda")
     hyper = dict(HYPER, **options)
     sizes = [1, 255, 257, 3 * 256 + 17, _ops.chunk_size(device) + 300, 1000]
     state = Compact(sizes, master, fmt, device)

@@ -657,12 +657,17 @@ def test_plan_fraction_as_data():
     assert plan_fraction(**dict(base, numel=0), free_device_bytes=0.0, backward_ms=0.0)[0] == 1.0
 
 
-def test_thread_budget_splits_the_cores():
-    cores = len(os.sched_getaffinity(0))
+@pytest.mark.parametrize(
+    "cores, local, want",
+    [(16, "1", 15), (16, "2", 7), (16, "4", 3), (16, "8", 2), (16, "32", 1), (3, "1", 3),
+     (2, "", 2), (16, "x", 15)],
+)  # fmt: skip
+def test_thread_budget_splits_the_cores(monkeypatch, cores, local, want):
+    """The cores split among the local ranks, one left for the rank's launching thread where a
+    rank has four or more."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert thread_budget(3) == 3
-    assert thread_budget(None, {"LOCAL_WORLD_SIZE": "1"}) == cores
-    assert thread_budget(None, {"LOCAL_WORLD_SIZE": str(cores * 2)}) == 1
-    assert thread_budget(None, {}) == cores
+    assert thread_budget(None, {"LOCAL_WORLD_SIZE": local} if local else {}) == want
 
 
 def test_public_api():

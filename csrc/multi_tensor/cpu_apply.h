@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -47,6 +48,23 @@ template <typename F>
 void apply(const std::vector<at::Tensor>& tensors, F&& f) {
   const auto items = work_items(tensors);
   apply(items, [&](int64_t, int64_t t, int64_t s, int64_t e) { f(t, s, e); });
+}
+
+// Note: vectorised CPU loops. The per-element loops are plain loops over __restrict local
+// pointers with the kernel's flags (adam_w_mode, nesterov, ...) as compile-time constants. Both are
+// needed for GCC to vectorise a loop that stores 16-bit values (bf16/fp16 params or out slots):
+// a runtime bool read from the Hyper struct gets "no vectype" there, and `#pragma omp simd`
+// privatises the element's accumulator into an "omp simd array" (update() takes it by reference),
+// which the 16-bit store then cannot vectorise. Loops storing only fp32 vectorised either way; with
+// a bf16 out slot the scalar loop was 6x slower than the fp32 one (launch_scripts/bench_cpu_adam.py).
+// The conversions stay c10's (round to nearest even, NaN kept), so the bits do not change.
+
+// Calls f(std::true_type{}) or f(std::false_type{}) as `flag` is: a runtime flag made a
+// compile-time constant of the loop inside f (see Note: vectorised CPU loops).
+template <typename F>
+decltype(auto) with_flag(bool flag, F&& f) {
+  if (flag) return f(std::true_type{});
+  return f(std::false_type{});
 }
 
 // Typed data pointers of one slot.

@@ -26,23 +26,23 @@ void adagrad_cpu(const TensorLists& lists, double lr, double eps, double weight_
         auto hs = cpu::pointers<acc_t>(lists[kSum]);
         std::vector<typename Ty::out_t*> o;
         if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kOut]);
-        cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
-          // local copies: stores through the data pointers cannot alias them, so the loop
-          // vectorises
-          const auto hl = h;
-          const acc_t gsl = gs;
-          (void)gsl;
-          auto* gk = g[k];
-          auto* pk = p[k];
-          acc_t* hk = hs[k];
-          typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
-#pragma omp simd
-          for (int64_t i = s; i < e; ++i) {
-            acc_t pi = static_cast<acc_t>(pk[i]);
-            update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, hk[i], hl);
-            pk[i] = static_cast<typename Ty::param_t>(pi);
-            if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
-          }
+        cpu::with_flag(h.adagrad_w_mode, [&](auto w_mode) {
+          cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+            // local copies, the flag a constant (see Note: vectorised CPU loops)
+            auto hl = h;
+            hl.adagrad_w_mode = decltype(w_mode)::value;
+            const acc_t gsl = gs;
+            const auto* __restrict gk = g[k];
+            auto* __restrict pk = p[k];
+            acc_t* __restrict hk = hs[k];
+            typename Ty::out_t* __restrict ok = Ty::has_out ? o[k] : nullptr;
+            for (int64_t i = s; i < e; ++i) {
+              acc_t pi = static_cast<acc_t>(pk[i]);
+              update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, hk[i], hl);
+              pk[i] = static_cast<typename Ty::param_t>(pi);
+              if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+            }
+          });
         });
       });
 }

@@ -30,24 +30,24 @@ void adam_cpu(const TensorLists& lists, double lr, double beta1, double beta2, d
         auto v = cpu::pointers<acc_t>(lists[kExpAvgSq]);
         std::vector<typename Ty::out_t*> o;
         if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kOut]);
-        cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
-          // local copies: stores through the data pointers cannot alias them, so the loop
-          // vectorises
-          const auto hl = h;
-          const acc_t gsl = gs;
-          (void)gsl;
-          auto* gk = g[k];
-          auto* pk = p[k];
-          acc_t* mk = m[k];
-          acc_t* vk = v[k];
-          typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
-#pragma omp simd
-          for (int64_t i = s; i < e; ++i) {
-            acc_t pi = static_cast<acc_t>(pk[i]);
-            update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, mk[i], vk[i], hl);
-            pk[i] = static_cast<typename Ty::param_t>(pi);
-            if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
-          }
+        cpu::with_flag(h.adam_w_mode, [&](auto adam_w) {
+          cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+            // local copies, the flag a constant (see Note: vectorised CPU loops)
+            auto hl = h;
+            hl.adam_w_mode = decltype(adam_w)::value;
+            const acc_t gsl = gs;
+            const auto* __restrict gk = g[k];
+            auto* __restrict pk = p[k];
+            acc_t* __restrict mk = m[k];
+            acc_t* __restrict vk = v[k];
+            typename Ty::out_t* __restrict ok = Ty::has_out ? o[k] : nullptr;
+            for (int64_t i = s; i < e; ++i) {
+              acc_t pi = static_cast<acc_t>(pk[i]);
+              update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, mk[i], vk[i], hl);
+              pk[i] = static_cast<typename Ty::param_t>(pi);
+              if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+            }
+          });
         });
       });
 }

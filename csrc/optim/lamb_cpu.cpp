@@ -146,22 +146,25 @@ void lamb_stage2_cpu(const TensorLists& lists, const at::Tensor& w_norm, const a
         auto v = cpu::pointers<acc_t>(lists[kStage2ExpAvgSq]);
         std::vector<typename Ty::out_t*> o;
         if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kStage2Out]);
-        cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
-          const auto hl = h;
-          const acc_t ratio = trust_ratio_lr<acc_t>(
-              static_cast<acc_t>(lr_v), static_cast<acc_t>(wnp[k]), static_cast<acc_t>(unp[k]),
-              static_cast<acc_t>(weight_decay), use_nvlamb);
-          auto* pk = p[k];
-          const acc_t* mk = m[k];
-          const acc_t* vk = v[k];
-          typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
-#pragma omp simd
-          for (int64_t i = s; i < e; ++i) {
-            const acc_t pi = static_cast<acc_t>(pk[i]);
-            const acc_t pn = pi - ratio * update_term<acc_t>(pi, mk[i], vk[i], hl);
-            pk[i] = static_cast<typename Ty::param_t>(pn);
-            if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pn);
-          }
+        cpu::with_flag(h.adam_w_mode, [&](auto adam_w) {
+          cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+            // local copies, the flag a constant (see Note: vectorised CPU loops)
+            auto hl = h;
+            hl.adam_w_mode = decltype(adam_w)::value;
+            const acc_t ratio = trust_ratio_lr<acc_t>(
+                static_cast<acc_t>(lr_v), static_cast<acc_t>(wnp[k]), static_cast<acc_t>(unp[k]),
+                static_cast<acc_t>(weight_decay), use_nvlamb);
+            auto* __restrict pk = p[k];
+            const acc_t* __restrict mk = m[k];
+            const acc_t* __restrict vk = v[k];
+            typename Ty::out_t* __restrict ok = Ty::has_out ? o[k] : nullptr;
+            for (int64_t i = s; i < e; ++i) {
+              const acc_t pi = static_cast<acc_t>(pk[i]);
+              const acc_t pn = pi - ratio * update_term<acc_t>(pi, mk[i], vk[i], hl);
+              pk[i] = static_cast<typename Ty::param_t>(pn);
+              if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pn);
+            }
+          });
         });
       });
 }

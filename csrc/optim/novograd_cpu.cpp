@@ -23,24 +23,24 @@ void update_pass(const TensorLists& lists, const double* vnp,
   auto m = cpu::pointers<acc_t>(lists[kExpAvg]);
   std::vector<typename Ty::out_t*> o;
   if constexpr (Ty::has_out) o = cpu::pointers<typename Ty::out_t>(lists[kOut]);
-  cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
-    // local copies: stores through the data pointers cannot alias them, so the loop
-    // vectorises
-    const auto hl = h;
-    const acc_t gsl = gs;
-    (void)gsl;
-    const acc_t denom = static_cast<acc_t>(vnp[k]) / h.bc2_sqrt + h.eps;
-    auto* gk = g[k];
-    auto* pk = p[k];
-    acc_t* mk = m[k];
-    typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
-#pragma omp simd
-    for (int64_t i = s; i < e; ++i) {
-      acc_t pi = static_cast<acc_t>(pk[i]);
-      update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, mk[i], denom, hl);
-      pk[i] = static_cast<typename Ty::param_t>(pi);
-      if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
-    }
+  cpu::with_flag(h.moment_mode != 0, [&](auto mode_1) {
+    cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+      // local copies, the mode a constant (see Note: vectorised CPU loops)
+      auto hl = h;
+      hl.moment_mode = decltype(mode_1)::value ? 1 : 0;
+      const acc_t gsl = gs;
+      const acc_t denom = static_cast<acc_t>(vnp[k]) / h.bc2_sqrt + h.eps;
+      const auto* __restrict gk = g[k];
+      auto* __restrict pk = p[k];
+      acc_t* __restrict mk = m[k];
+      typename Ty::out_t* __restrict ok = Ty::has_out ? o[k] : nullptr;
+      for (int64_t i = s; i < e; ++i) {
+        acc_t pi = static_cast<acc_t>(pk[i]);
+        update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, mk[i], denom, hl);
+        pk[i] = static_cast<typename Ty::param_t>(pi);
+        if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+      }
+    });
   });
 }
 

@@ -41,35 +41,41 @@ void sgd_cpu(const TensorLists& lists, double lr, double momentum, double dampen
             update<acc_t>(pi, gi, bi, hl);
           }
         };
-        cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
-          // local copies: stores through the data pointers cannot alias them, so the loop
-          // vectorises
-          const auto hl = h;
-          const acc_t gsl = gs;
-          auto* gk = g[k];
-          auto* pk = p[k];
-          buf_t* bk = b[k];
-          typename Ty::out_t* ok = Ty::has_out ? o[k] : nullptr;
-          if (bk == nullptr) {  // momentum 0: no buffer to read or write
-#pragma omp simd
-            for (int64_t i = s; i < e; ++i) {
-              acc_t pi = static_cast<acc_t>(pk[i]);
-              acc_t unused = 0;
-              step(pi, static_cast<acc_t>(gk[i]) * gsl, unused, hl);
-              pk[i] = static_cast<param_t>(pi);
-              if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
-            }
-            return;
-          }
-#pragma omp simd
-          for (int64_t i = s; i < e; ++i) {
-            acc_t pi = static_cast<acc_t>(pk[i]);
-            acc_t bi = static_cast<acc_t>(bk[i]);
-            step(pi, static_cast<acc_t>(gk[i]) * gsl, bi, hl);
-            bk[i] = static_cast<buf_t>(bi);
-            pk[i] = static_cast<param_t>(pi);
-            if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
-          }
+        // the flags as constants of the loops (see Note: vectorised CPU loops)
+        cpu::with_flag(h.nesterov, [&](auto nesterov_c) {
+          cpu::with_flag(h.first_run, [&](auto first_run_c) {
+            cpu::with_flag(h.wd_after_momentum, [&](auto wd_after_c) {
+              cpu::apply(lists[0], [&](int64_t k, int64_t s, int64_t e) {
+                auto hl = h;
+                hl.nesterov = decltype(nesterov_c)::value;
+                hl.first_run = decltype(first_run_c)::value;
+                hl.wd_after_momentum = decltype(wd_after_c)::value;
+                const acc_t gsl = gs;
+                const auto* __restrict gk = g[k];
+                auto* __restrict pk = p[k];
+                buf_t* __restrict bk = b[k];
+                typename Ty::out_t* __restrict ok = Ty::has_out ? o[k] : nullptr;
+                if (bk == nullptr) {  // momentum 0: no buffer to read or write
+                  for (int64_t i = s; i < e; ++i) {
+                    acc_t pi = static_cast<acc_t>(pk[i]);
+                    acc_t unused = 0;
+                    step(pi, static_cast<acc_t>(gk[i]) * gsl, unused, hl);
+                    pk[i] = static_cast<param_t>(pi);
+                    if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+                  }
+                  return;
+                }
+                for (int64_t i = s; i < e; ++i) {
+                  acc_t pi = static_cast<acc_t>(pk[i]);
+                  acc_t bi = static_cast<acc_t>(bk[i]);
+                  step(pi, static_cast<acc_t>(gk[i]) * gsl, bi, hl);
+                  bk[i] = static_cast<buf_t>(bi);
+                  pk[i] = static_cast<param_t>(pi);
+                  if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+                }
+              });
+            });
+          });
         });
       });
 }
