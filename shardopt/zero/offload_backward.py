@@ -99,9 +99,9 @@ class EarlyUpdates:
             self._scalars = StepScalars(factor, None, None)  # step()'s, on the host
         self.done.add((key.index, bucket_index))
         work = getattr(handle, "_work", None)  # the reduce-scatter the worker waits for
-        optimizer._offload_pipeline.submit(
-            optimizer, [(key, bucket)], self._scalars, False, self.progress, view=self._view,
-            ready=None if work is None else work.wait,
+        optimizer._offload_pipeline.submit_early(
+            optimizer, key, bucket, self._scalars, self.progress, self._view,
+            None if work is None else work.wait,
         )  # fmt: skip
 
     def _abandon(self) -> None:

@@ -27,7 +27,18 @@ Note: the offloaded step
 
     Buckets may also be handed over during backward, as soon as their reduce-scatter is
     launched (see Note: updates during backward in offload_backward.py); ``step()`` then hands
-    over only the rest, as another job of the same ``Progress``. The worker reads a
+    over only the rest, as another job of the same ``Progress``.
+
+Note: the worker's order during backward
+    Backward hands buckets over in backward order, and the next forward needs them in the other
+    order: run one by one as they came, the bucket the forward needs first would be updated last
+    and the forward would wait for the whole update. So buckets handed over during backward are
+    queued (``submit_early``) and one job drains the queue: it takes every bucket queued so far,
+    sorted the way the forward needs them, updates them with the next bucket's grads staged
+    during the current one's update, and takes a bucket queued meanwhile that the forward needs
+    sooner right after the bucket in hand (``_preempted``). When backward ends the rest go in
+    forward order, so the forward starts after the first of them. The order does not change a
+    bit: each bucket's update reads and writes only its own part of the state. The worker reads a
     ``frozen_view`` of the optimizer: the param groups and skipped-step
     counts as ``step()`` left them, so a scheduler stepped on the main thread meanwhile changes
     only the next step. Keys whose sync space is written from the masters (``out_by_copy``)
@@ -47,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import torch
 
@@ -128,6 +140,12 @@ class OffloadPipeline:
         self.worker = OffloadWorker(device)
         #: the updates that start during backward (offload_backward.py)
         self.early = EarlyUpdates(overlap_backward)
+        #: buckets handed over during backward not yet taken by the worker, by step (the
+        #: ``Progress``), and the steps with a job draining them queued or running (see Note:
+        #: the worker's order during backward)
+        self._pending: dict[Progress, list[tuple]] = {}
+        self._draining: set[Progress] = set()
+        self._pending_lock = threading.Lock()
 
     @classmethod
     def of(cls, optimizer, settings) -> OffloadPipeline | None:
@@ -218,14 +236,87 @@ class OffloadPipeline:
 
         self.worker.submit(job, progress)
 
-    def _run(self, optimizer, work: list, grads: dict, scalars, skipped: bool, progress) -> None:
-        """The worker thread: each bucket's update, in ``work``'s order."""
+    def submit_early(self, optimizer, key, bucket, scalars, progress: Progress, view, ready):
+        """A bucket handed over during backward (see Note: the worker's order during backward):
+        queued for the job that drains them, which is submitted unless one is queued or running.
+        ``ready``: the bucket's reduce-scatter wait (with the copy stream current), or None."""
+        if self.cuda:  # after what the compute stream did to the grads
+            self.d2h.wait_stream(torch.cuda.current_stream())
+            self.h2d.wait_stream(torch.cuda.current_stream())
+            key.buffers.grad_shard.record_stream(self.d2h)
+        position = {b: n for n, b in enumerate(progress.order)}[(key.index, bucket.index)]
+        entry = (position, key, bucket, key.buffers.grad_shard, ready)
+        with self._pending_lock:
+            self._pending.setdefault(progress, []).append(entry)
+            if progress in self._draining:
+                return
+            self._draining.add(progress)
+        threads = optimizer.offload_plan.threads
+
+        def job() -> None:
+            with torch.no_grad(), host_state.threads(threads):
+                self._drain(view, scalars, progress)
+
+        self.worker.submit(job, progress)
+
+    def _take_pending(self, progress: Progress) -> list[tuple]:
+        """The early buckets of ``progress``'s step queued so far, the one the next forward
+        needs first first; when none, ends the draining job (under the lock, so a bucket queued
+        later gets a new job)."""
+        with self._pending_lock:
+            entries = sorted(self._pending.pop(progress, []), key=lambda e: e[0])
+            if not entries:
+                self._draining.discard(progress)
+            return entries
+
+    def _drain(self, view, scalars, progress: Progress) -> None:
+        """The worker: updates the early buckets queued so far, then those queued meanwhile,
+        until none is left; a bucket queued that the next forward needs before the rest of the
+        batch in hand is taken after the bucket being updated (``_preempted``)."""
+        try:
+            while entries := self._take_pending(progress):
+                grads = {}
+                for _, key, _, grad_shard, ready in entries:
+                    grads[key.index] = grad_shard
+                    if ready is not None:
+                        with torch.cuda.stream(self.d2h) if self.cuda else contextlib.nullcontext():
+                            ready()
+                work = [(key, bucket) for _, key, bucket, _, _ in entries]
+                positions = [e[0] for e in entries]
+                self._run(view, work, grads, scalars, False, progress, (positions, entries))
+        except BaseException:
+            with self._pending_lock:  # the job's error ends the step; nothing is left queued
+                self._pending.pop(progress, None)
+                self._draining.discard(progress)
+            raise
+
+    def _preempted(self, progress: Progress, batch: tuple, n: int) -> bool:
+        """Whether an early bucket queued since ``batch`` (positions, entries) was taken is
+        needed by the next forward before bucket ``n`` of it: then buckets ``n`` on go back to the
+        queue (their reduce-scatter waits are already on the copy stream)."""
+        positions, entries = batch
+        with self._pending_lock:
+            queued = self._pending.get(progress)
+            if not queued or min(e[0] for e in queued) > positions[n]:
+                return False
+            queued.extend((*e[:4], None) for e in entries[n:])
+            return True
+
+    def _run(
+        self, optimizer, work: list, grads: dict, scalars, skipped: bool, progress,
+        batch: tuple | None = None,
+    ) -> None:  # fmt: skip
+        """The worker thread: each bucket's update, in ``work``'s order (up to a preemption,
+        for a ``batch`` of ``_drain``)."""
         staged = self._stage(*work[0], grads) if work else None
         for n, (key, bucket) in enumerate(work):
             buf = key.buffers
             grad_slot, params, param_slot, event = staged
             ahead = len(self.grad_slots[key.index].buffers) > 1
-            if n + 1 < len(work) and ahead:  # the next transfer overlaps this bucket's update
+            last = n + 1 == len(work) or (
+                batch is not None and self._preempted(progress, batch, n + 1)
+            )
+            if not last and ahead:  # the next transfer overlaps this bucket's update
                 staged = self._stage(*work[n + 1], grads)
             if event is not None:
                 event.synchronize()
@@ -262,7 +353,9 @@ class OffloadPipeline:
                     self.param_slots[key.index].events[param_slot] = event
             host_state.release(buf)
             progress.publish((key.index, bucket.index), event)  # its all-gather may start
-            if n + 1 < len(work) and not ahead:  # one slot: the next copy after the update
+            if last:
+                return
+            if not ahead:  # one slot: the next copy after the update
                 staged = self._stage(*work[n + 1], grads)
 
 
