@@ -92,7 +92,10 @@ class AmpClip:
             for key in self.sharded.keys:
                 sq, _ = kernels.norm([key.buffers.grad_shard])
                 total += sq.to(device, torch.float32)
-            comm.all_reduce(total, self.process_group)
+            if self.grad_sync.checks_lockstep:  # carries the check (see Note: lockstep)
+                total = self.grad_sync.norm_all_reduce(total)
+            else:
+                comm.all_reduce(total, self.process_group)
             self._sumsq = total
         return self._sumsq
 
