@@ -9,7 +9,8 @@ clipping), and a clip on some ranks only. The patterns that are in lockstep (acc
 without no_sync, every rank dropping a batch, a rank with no backward) keep working and match a
 reference; a clipped run matches DDP + torch.optim and its norms are bit-identical to one sum
 all-reduce of each rank's partial (the computation before the norm carried the check); the
-check adds no collective to a step.
+check adds no collective to a step. With a redundant group (HSDP, world 4) a zero_grad() before
+the step or the clip on one rank makes every rank raise, and the clipped norm is unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from dist_harness import run_cases
 
@@ -378,6 +380,90 @@ def check_adds_no_collective(rank, world):
 
         calls = _counting_all_reduces(run)
         assert calls == [layout] * (3 * per_step), (kind, calls)
+
+
+def _hsdp_opt(model, rank):
+    """World 4: shard groups [0 1] [2 3], replica groups [0 2] [1 3]."""
+    shard = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replica = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return _opt(model, process_group=shard[rank // 2], redundant_process_group=replica[rank % 2])
+
+
+def _hsdp_deviate(clip):
+    """Rank 3 calls zero_grad() between backward and step() (a skipped step is not covered with
+    a redundant group: see Note: lockstep); every rank raises, rank 0 told by rank 2."""
+
+    def run_on(rank, world):
+        assert world == 4
+        model = _model()
+        opt = _hsdp_opt(model, rank)
+
+        def loop():
+            for step in range(3):
+                _backward(model, step, rank)
+                if rank == 3 and step == 1:
+                    opt.zero_grad()
+                if clip:
+                    opt.clip_grad_norm(0.5)
+                opt.step()
+                opt.zero_grad()
+
+        with pytest.raises(LockstepError) as info:
+            loop()
+        message = str(info.value)
+        if rank == 0:  # told through its replica group by rank 2
+            assert "another shard group left lockstep (rank 2 " in message, message
+        else:  # rank 1 meets rank 3 in their replica group; ranks 2, 3 in their shard group
+            mate = {1: 3, 2: 3, 3: 2}[rank]
+            for r in (rank, mate):
+                assert f"rank {r} is " in message, message
+            assert "dropped by a zero_grad()" in message, message
+
+    return run_on
+
+
+def hsdp_zero_grad_before_step(rank, world):
+    _hsdp_deviate(clip=False)(rank, world)
+
+
+def hsdp_zero_grad_before_clip(rank, world):
+    _hsdp_deviate(clip=True)(rank, world)
+
+
+def hsdp_clipped_run_keeps_old_norms(rank, world):
+    """HSDP in lockstep: clipping works and the norm is the shard group's sum of the partials,
+    bit-identical to the computation before."""
+    model = _model()
+    opt = _hsdp_opt(model, rank)
+    for step in range(3):
+        _backward(model, step, rank)
+        opt.finish_grad_sync()
+        total = torch.zeros(1, dtype=torch.float32)
+        for key in opt.sharded.keys:
+            total += kernels.norm([key.buffers.grad_shard])[0].float()
+        comm.all_reduce(total, opt.process_group)
+        expected = (total.sqrt() * opt.amp.grad_factor).reshape(())
+        assert torch.equal(opt.clip_grad_norm(0.5), expected)
+        opt.step()
+        opt.zero_grad()
+
+
+HSDP_CASES = [
+    hsdp_zero_grad_before_step,
+    hsdp_zero_grad_before_clip,
+    hsdp_clipped_run_keeps_old_norms,
+]
+
+
+@pytest.mark.parametrize("case", HSDP_CASES, ids=lambda c: c.__name__)
+def test_lockstep_hsdp_world4(hsdp_results, case):
+    err = hsdp_results[case.__name__]
+    assert err is None, err
+
+
+@pytest.fixture(scope="module")
+def hsdp_results():
+    return run_cases(HSDP_CASES, 4, timeout=400.0, pg_timeout=PG_TIMEOUT, report_hangs=True)
 
 
 CASES = [

@@ -27,6 +27,7 @@ from shardopt.zero.lockstep import (
     RANK_SLOTS,
     SLOT_NORM,
     Lockstep,
+    LockstepError,
     Reduced,
 )
 from shardopt.zero.sharded_params import Key, ShardedParams
@@ -284,7 +285,7 @@ class GradSync:
         step-interval layout and checked for lockstep (see Note: lockstep): a (1,) float32
         device tensor. Collective."""
         counts = torch.zeros(len(self.sharded.params), dtype=torch.float32)
-        reduced = self._all_reduce_flags(PHASE_NORM, counts, None, partial, shard_group_only=True)
+        reduced = self._all_reduce_flags(PHASE_NORM, counts, None, partial)
         return reduced.sumsq.reshape(1).to(partial.device)
 
     def _all_reduce_flags(
@@ -293,24 +294,30 @@ class GradSync:
         counts: torch.Tensor,
         failed: int | None,
         partial: torch.Tensor | None = None,
-        shard_group_only: bool = False,
     ) -> Reduced:
-        """The sum all-reduce of the step-interval layout (param counts, this rank's slots),
-        in the shard group, then in the redundant group unless ``shard_group_only``, each
-        checked for lockstep (raises on every rank of the group if the ranks differ)."""
+        """The sum all-reduce of the step-interval layout (param counts, this rank's slots)
+        in the shard group, then in the redundant group (where a rank tells its replicas that
+        its shard group left lockstep), checked for lockstep: raises ``LockstepError`` on every
+        rank if the ranks differ, after both (see Note: lockstep)."""
         n = counts.numel()
-        reduced = None
+        reduced = sumsq = error = None
         chain = [self.process_group]
-        if self.redundant_process_group is not None and not shard_group_only:
+        if self.redundant_process_group is not None:
             chain.append(self.redundant_process_group)
         for group in chain:
-            flags = self.lockstep.flags(phase, counts, failed, group).to(self.sharded.device)
+            flags = self.lockstep.flags(phase, counts, failed, group, left=error is not None)
+            flags = flags.to(self.sharded.device)
             if partial is not None and reduced is None:  # the norm: this rank's own slot
                 at = n + comm.rank(group) * RANK_SLOTS + SLOT_NORM
                 flags[at : at + 1].copy_(partial.reshape(1))
             comm.all_reduce(flags, group)
-            reduced = self.lockstep.check(flags.cpu(), n, group)
+            reduced = self.lockstep.decode(flags.cpu(), n, group)
             counts, failed = reduced.counts, reduced.failed
+            sumsq = reduced.sumsq if sumsq is None else sumsq  # the norm: the shard group's
+            error = error or reduced.error
+        if error is not None:
+            raise LockstepError(error)
+        reduced.sumsq = sumsq
         return reduced
 
     @property

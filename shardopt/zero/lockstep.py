@@ -40,11 +40,16 @@ collective is issued. LAMB's and NovoGrad's per-tensor norm all-reduces run insi
 after its checked flags all-reduce, which every rank then passed together: they cannot meet a
 deviating rank's check. The check needs the step's flags all-reduce: it is off with
 ``skip_unused_params=False`` and under ``capturable`` (the norm is then one plain sum
-all-reduce, without a host sync). With a ``redundant_process_group`` (HSDP) the check runs in
-the shard group, then in the redundant group; the norm's all-reduce runs in the shard group only
-(its grads are already summed over the replicas), so a rank that skips a ``step()`` while its
-shard group clips is caught by its shard group, and the other replicas' ranks fail at their next
-collective with the deviating group (they are not told why).
+all-reduce, without a host sync). With a ``redundant_process_group`` (HSDP) each of these
+all-reduces runs in the shard group, then in the redundant group, and raises only after both:
+the second carries whether a rank saw its shard group leave lockstep, so the other replicas'
+ranks raise too (naming the ranks that saw it) instead of waiting at their next collective. The
+norm is taken from the shard group's sum (the grads are already summed over the replicas); its
+check in the redundant group is one more small all-reduce per norm, with HSDP only. Not covered
+with a redundant group: a ``step()`` skipped on one rank (with or without a clip). Its check
+meets, in the redundant group, the all-reduce of the grad shards over the replicas that the
+others' ``step()`` or grad norm runs before any check (``GradSync.finish``), and gloo aborts;
+checking before that all-reduce would cost one more collective per step.
 """
 
 from __future__ import annotations
@@ -56,11 +61,12 @@ import torch
 from shardopt.zero import comm
 
 PHASE_STEP, PHASE_BACKWARD, PHASE_NORM = 1, 2, 3
-#: per-rank slots: the norm's partial sum of squares, a failed param (+1), the compared values
-SLOT_NORM, SLOT_FAILED = 0, 1
+#: per-rank slots: the norm's partial sum of squares, a failed param (+1), whether this rank saw
+#: the ranks leave lockstep in an earlier group's all-reduce, then the compared values
+SLOT_NORM, SLOT_FAILED, SLOT_LEFT = 0, 1, 2
 #: values compared: phase, steps done (low and high part, each exact in fp32), passes, dropped
 NUM_VALUES = 5
-RANK_SLOTS = 2 + NUM_VALUES
+RANK_SLOTS = 3 + NUM_VALUES
 _PASSES = 3  # the compared value a rank with no backward may differ in (it has none)
 _STEP_SPLIT = 2**23
 
@@ -81,6 +87,7 @@ class Reduced:
     counts: torch.Tensor  # per param: the ranks that computed a grad for it
     failed: int | None  # the largest param index a rank reported as failed
     sumsq: torch.Tensor  # () float32: the partials summed from the last rank down
+    error: str | None  # the LockstepError's message if the ranks left lockstep
 
 
 @dataclass
@@ -98,32 +105,38 @@ class Lockstep:
         self.passes, self.launched, self.dropped = 0, False, False
 
     def flags(
-        self, phase: int, counts: torch.Tensor, failed: int | None, group: comm.ProcessGroup | None
+        self,
+        phase: int,
+        counts: torch.Tensor,
+        failed: int | None,
+        group: comm.ProcessGroup | None,
+        left: bool = False,
     ) -> torch.Tensor:
         """This rank's contribution to the all-reduce over ``group`` (a host tensor; the norm
         slot, written on the device by the caller, is zero)."""
         n, world, rank = counts.numel(), comm.world_size(group), comm.rank(group)
         out = torch.zeros(flags_numel(n, world), dtype=torch.float32)
         out[:n] = counts
-        mine = [0.0, 0.0 if failed is None else float(failed + 1), float(phase),
+        mine = [0.0, 0.0 if failed is None else float(failed + 1), float(left), float(phase),
                 float(self.steps % _STEP_SPLIT), float(self.steps // _STEP_SPLIT),
                 float(self.passes), float(self.dropped)]  # fmt: skip
         start = n + rank * RANK_SLOTS
         out[start : start + RANK_SLOTS] = torch.tensor(mine, dtype=torch.float32)
         return out
 
-    def check(self, reduced: torch.Tensor, n: int, group: comm.ProcessGroup | None) -> Reduced:
-        """Decodes the summed flags; raises ``LockstepError`` on every rank of the all-reduce
-        if the ranks differ (each rank reads the same sums, so all of them raise)."""
+    def decode(self, reduced: torch.Tensor, n: int, group: comm.ProcessGroup | None) -> Reduced:
+        """Decodes the summed flags of ``group``; ``error`` says whether the ranks differ (each
+        rank reads the same sums, so all of them see it) or one saw that in an earlier group."""
         world = comm.world_size(group)
         slots = reduced[n:].reshape(world, RANK_SLOTS)
-        values = slots[:, SLOT_FAILED + 1 :].tolist()
+        values = slots[:, SLOT_LEFT + 1 :].tolist()
         first = values[0]
         passes = {v[_PASSES] for v in values if v[_PASSES] != 0}
         same = all(v[:_PASSES] + v[_PASSES + 1 :] == first[:_PASSES] + first[_PASSES + 1 :]
                    for v in values)  # fmt: skip
+        error = None
         if not same or len(passes) > 1:
-            raise LockstepError(
+            error = (
                 f"{self.owner}: the ranks left lockstep (every rank must run the same "
                 "synchronised backward passes, grad-norm calls (clip_grad_norm(), grad_norm(), "
                 "torch's clip_grad_norm_) and step() calls, else their collectives pair with "
@@ -133,11 +146,18 @@ class Lockstep:
                 )
                 + ". No rank steps; the ranks' state may already differ: restart from a checkpoint"
             )
+        elif slots[:, SLOT_LEFT].any():
+            told = [comm.global_rank(group, int(i)) for i in slots[:, SLOT_LEFT].nonzero()]
+            error = (
+                f"{self.owner}: the ranks of another shard group left lockstep (rank "
+                f"{', '.join(map(str, told))} of this replica group saw it; their LockstepError "
+                "names what differs). No rank steps; restart from a checkpoint"
+            )
         sumsq = slots[world - 1, SLOT_NORM].clone()
         for r in range(world - 2, -1, -1):  # gloo's order (see Note: lockstep)
             sumsq += slots[r, SLOT_NORM]
         reported = int(slots[:, SLOT_FAILED].max().item())
-        return Reduced(reduced[:n], reported - 1 if reported else None, sumsq)
+        return Reduced(reduced[:n], reported - 1 if reported else None, sumsq, error)
 
 
 def describe(values: list[float]) -> str:
