@@ -3,7 +3,8 @@
 Averaging over ranks, the inverse loss scale of a ``torch.amp.GradScaler`` and the clip
 coefficient fold into one device scalar ``grad_scale_t`` the update kernels multiply every grad
 element by (no extra pass over the grads, no host sync). The overflow decision comes from the
-all-reduced sum of squares of the grads, so it is the same on every rank.
+all-reduced sum of squares of the grads, so it is the same on every rank. That all-reduce has the
+layout of the step's flags all-reduce and carries the lockstep check (see Note: lockstep).
 
 GradScaler: this optimizer owns its grads (they live in its buckets, not in ``param.grad``), so it
 sets ``_step_supports_amp_scaling`` and receives the scaler in ``step(grad_scaler=...)``, the

@@ -23,7 +23,8 @@ The layout (``flags_numel``): one count per param (the ranks that computed a gra
 means unused), then ``RANK_SLOTS`` slots per rank, each rank writing only its own and zeros
 elsewhere, so the sum hands every rank every rank's slots exactly (adding zeros is exact, for
 inf and NaN too): the grad norm's partial sum of squares, the param a rank reports as
-``failed`` (+1), and the compared values: the phase (step, backward or norm), the steps done
+``failed`` (+1), whether it saw the ranks leave lockstep in an earlier group (HSDP, below), and
+the compared values: the phase (step, backward or norm), the steps done
 (two exact parts), the synchronised backward passes since the last step and whether
 ``zero_grad()`` dropped grads already synchronised. The norm is the sum of the ranks' partials
 in a fixed order, from the last rank down to rank 0: the order gloo's all-reduce of the one
@@ -33,23 +34,23 @@ norm's all-reduce, like the step's, is then checked on the host (one host sync, 
 norm is a device tensor again). A rank whose grads were dropped after their reduce-scatters were
 launched launches no more of them in ``step()``.
 
-A rank with no backward at all in an iteration is not a mismatch: it contributes zero grads
-(see docs/spec.md, DDP equivalence). On a mismatch every rank of the all-reduce raises
-``LockstepError`` (they all read the same sums), naming each rank and what it did; no further
-collective is issued. LAMB's and NovoGrad's per-tensor norm all-reduces run inside ``step()``
-after its checked flags all-reduce, which every rank then passed together: they cannot meet a
-deviating rank's check. The check needs the step's flags all-reduce: it is off with
-``skip_unused_params=False`` and under ``capturable`` (the norm is then one plain sum
+A rank with no backward at all in an iteration is not a mismatch: it contributes zero grads (see
+docs/spec.md, DDP equivalence). On a mismatch every rank of the all-reduce raises ``LockstepError``
+(they all read the same sums), naming each rank and what it did; no collective follows the raise
+(with HSDP it comes after both groups' all-reduces, below). LAMB's and NovoGrad's per-tensor norm
+all-reduces run inside ``step()`` after its checked flags all-reduce, which every rank then passed
+together: they cannot meet a deviating rank's check. The check needs the step's flags all-reduce: it
+is off with ``skip_unused_params=False`` and under ``capturable`` (the norm is then one plain sum
 all-reduce, without a host sync). With a ``redundant_process_group`` (HSDP) each of these
-all-reduces runs in the shard group, then in the redundant group, and raises only after both:
-the second carries whether a rank saw its shard group leave lockstep, so the other replicas'
-ranks raise too (naming the ranks that saw it) instead of waiting at their next collective. The
-norm is taken from the shard group's sum (the grads are already summed over the replicas); its
-check in the redundant group is one more small all-reduce per norm, with HSDP only. Not covered
-with a redundant group: a ``step()`` skipped on one rank (with or without a clip). Its check
-meets, in the redundant group, the all-reduce of the grad shards over the replicas that the
-others' ``step()`` or grad norm runs before any check (``GradSync.finish``), and gloo aborts;
-checking before that all-reduce would cost one more collective per step.
+all-reduces runs in the shard group, then in the redundant group, and raises only after both: the
+second carries whether a rank saw its shard group leave lockstep, so the other replicas' ranks raise
+too (naming the ranks that saw it) instead of waiting at their next collective. The norm is taken
+from the shard group's sum (the grads are already summed over the replicas); its check in the
+redundant group is one more small all-reduce per norm, with HSDP only. Not covered with a redundant
+group: a ``step()`` skipped on one rank (with or without a clip). Its check meets, in the redundant
+group, the all-reduce of the grad shards over the replicas that the others' ``step()`` or grad norm
+runs before any check (``GradSync.finish``), and gloo aborts; checking before that all-reduce would
+cost one more collective per step.
 """
 
 from __future__ import annotations
