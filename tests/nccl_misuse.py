@@ -2,7 +2,9 @@
 
 NCCL (gloo on CPU when run without GPUs), where a collective mismatch hangs instead of aborting:
 ranks out of lockstep (``zero_grad()`` between backward and ``step()`` on one rank, a skipped
-``step()``) raise LockstepError naming every rank; ``state_dict()`` and ``checkpoint.save`` on
+``step()``, also while the other ranks clip first: ``clip_grad_norm()``, ``grad_norm()``,
+torch's ``clip_grad_norm_`` routed, a GradScaler with a clip) raise LockstepError naming every
+rank; ``state_dict()`` and ``checkpoint.save`` on
 rank 0 only raise CollectiveCallError there within the arrival timeout (the store-based check
 works on every backend); hyperparameters that differ between ranks fail at construction.
 Prints one line per case; exits non-zero if any fails. The gloo versions:
@@ -80,6 +82,46 @@ def _deviating_loop(kind, overlap):
     return case
 
 
+def _deviating_normed_loop(kind, overlap):
+    """The other ranks take the grad norm before each step(); the last rank skips one."""
+
+    def case(rank, world):
+        model = _model()
+        opt = _opt(model, overlap_grad_sync=overlap)
+        scaler = None
+        if kind == "scaler_clip":
+            scaler = torch.amp.GradScaler(_device().type, init_scale=2.0**4)
+
+        def loop():
+            for step in range(3):
+                gen = torch.Generator().manual_seed(100 * step + rank)
+                loss = model(torch.randn(4, 8, generator=gen).to(_device())).sum()
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                if rank == world - 1 and step == 1:
+                    continue
+                if kind == "clip":
+                    opt.clip_grad_norm(0.5)
+                elif kind == "grad_norm":
+                    opt.grad_norm().item()
+                elif kind == "torch_clip":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                else:
+                    scaler.unscale_(opt)
+                    opt.clip_grad_norm(0.5, grad_scaler=scaler)
+                if scaler is None:
+                    opt.step()
+                else:
+                    scaler.step(opt)
+                    scaler.update()
+                opt.zero_grad()
+
+        fragments = [f"rank {r} is " for r in range(world)]
+        _expect(LockstepError, loop, "is computing the grad norm", *fragments)
+
+    case.__name__ = f"lockstep_skip_step_{kind}_{'overlap' if overlap else 'no_overlap'}"
+    return case
+
+
 def _one_rank(call):
     def case(rank, world):
         model = _model()
@@ -116,6 +158,11 @@ CASES = [
     _deviating_loop("zero_grad", False),
     _deviating_loop("skip_step", True),
     _deviating_loop("skip_step", False),
+    *(
+        _deviating_normed_loop(kind, overlap)
+        for kind in ("clip", "grad_norm", "torch_clip", "scaler_clip")
+        for overlap in (True, False)
+    ),
     _one_rank("state_dict"),
     _one_rank("save"),
     hyperparams_differ,

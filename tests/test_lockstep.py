@@ -2,9 +2,15 @@
 
 See Note: lockstep (shardopt/zero/lockstep.py). Each case runs on gloo worlds 1-3 under a
 process-group timeout, so a hang or an abort fails it. Out-of-lockstep cases make the last rank
-(rank 1 of 2, rank 2 of 3) deviate; every rank must raise, naming every rank. The patterns that
-are in lockstep (accumulation without no_sync, every rank dropping a batch, a rank with no
-backward) keep working and match a reference; the check adds no collective to a step.
+(rank 1 of 2, rank 2 of 3) deviate; every rank must raise, naming every rank. A skipped step is
+caught also where the other ranks take the grad norm before their step (``clip_grad_norm()``,
+``grad_norm()``, torch's ``clip_grad_norm_`` routed, a GradScaler with a clip, LAMB's built-in
+clipping), and a clip on some ranks only. The patterns that are in lockstep (accumulation
+without no_sync, every rank dropping a batch, a rank with no backward) keep working and match a
+reference; a clipped run matches DDP + torch.optim and its norms are bit-identical to one sum
+all-reduce of each rank's partial (the computation before the norm carried the check); the
+check adds no collective to a step. With a redundant group (HSDP, world 4) a zero_grad() before
+the step or the clip on one rank makes every rank raise, and the clipped norm is unchanged.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from dist_harness import run_cases
 
 import shardopt
+from shardopt import kernels
 from shardopt.zero import comm
-from shardopt.zero.lockstep import LockstepError
+from shardopt.zero.lockstep import LockstepError, flags_numel
 
 PG_TIMEOUT = 30.0
 BUCKET_MB = 16 * 4 / 2**20  # several buckets
@@ -194,11 +202,144 @@ def a_rank_without_backward_contributes_zeros(rank, world):
         torch.testing.assert_close(a, b, **TOL)
 
 
-def check_adds_no_collective(rank, world):
-    """A step in lockstep issues exactly the all-reduces it issued before the check existed:
-    one (the unused-param flags) for Adam without clipping or a GradScaler."""
-    model = _model()
+def _before_step(kind, model, opt, scaler):
+    """What every rank in lockstep runs between its backward and its step()."""
+    if kind == "clip":
+        opt.clip_grad_norm(0.5)
+    elif kind == "grad_norm":
+        opt.grad_norm().item()  # e.g. logged
+    elif kind == "torch_clip":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    elif kind == "scaler_clip":
+        scaler.unscale_(opt)
+        opt.clip_grad_norm(0.5, grad_scaler=scaler)
+
+
+def _deviate_normed(kind, overlap, lamb=False):
+    """Three iterations, the norm taken before every step() (as ``kind`` says); in the second
+    the last rank skips its norm and step() (``kind="clip_skipped"``: only its clip)."""
+
+    def run_on(rank, world):
+        model = _model()
+        if lamb:  # the norm inside step() (built-in clipping), after its flags all-reduce
+            opt = shardopt.DistributedFusedLAMB(
+                model.parameters(), lr=0.01, max_grad_norm=0.5, bucket_cap_mb=BUCKET_MB,
+                overlap_grad_sync=overlap,
+            )  # fmt: skip
+        else:
+            opt = _opt(model, overlap_grad_sync=overlap)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if kind == "scaler_clip" else None
+        deviant = rank == world - 1 and world > 1
+
+        def loop():
+            for step in range(3):
+                gen = torch.Generator().manual_seed(1000 * step + 10 * rank)
+                loss = model(torch.randn(2, 3, generator=gen)).sum()
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                if deviant and step == 1:
+                    if kind != "clip_skipped":
+                        continue
+                    opt.step()
+                    opt.zero_grad()
+                    continue
+                _before_step("clip" if kind == "clip_skipped" else kind, model, opt, scaler)
+                if scaler is None:
+                    opt.step()
+                else:
+                    scaler.step(opt)
+                    scaler.update()
+                opt.zero_grad()
+
+        if kind == "clip_skipped":
+            fragments = ["is in step() #2", "is computing the grad norm"]
+        elif lamb:
+            fragments = ["skipped a step()" if overlap else "after 2 synchronised backward"]
+        else:
+            fragments = [
+                "is computing the grad norm",
+                "skipped a step()" if overlap else "after 2 synchronised backward passes",
+            ]
+        _expect_lockstep_error(rank, world, loop, "step() #2", *fragments)
+
+    return run_on
+
+
+def step_skipped_while_others_clip(rank, world):
+    for overlap in (True, False):
+        _deviate_normed("clip", overlap)(rank, world)
+
+
+def step_skipped_while_others_take_grad_norm(rank, world):
+    for overlap in (True, False):
+        _deviate_normed("grad_norm", overlap)(rank, world)
+
+
+def step_skipped_while_others_clip_through_torch(rank, world):
+    for overlap in (True, False):
+        _deviate_normed("torch_clip", overlap)(rank, world)
+
+
+def step_skipped_while_others_clip_under_grad_scaler(rank, world):
+    for overlap in (True, False):
+        _deviate_normed("scaler_clip", overlap)(rank, world)
+
+
+def step_skipped_with_lamb_clipping_in_step(rank, world):
+    for overlap in (True, False):
+        _deviate_normed("none", overlap, lamb=True)(rank, world)
+
+
+def clip_skipped_on_one_rank(rank, world):
+    """The last rank steps without the clip the others run: its step's all-reduce meets their
+    norm's, and both say what they were in."""
+    for overlap in (True, False):
+        _deviate_normed("clip_skipped", overlap)(rank, world)
+
+
+def _old_norm(opt) -> torch.Tensor:
+    """The norm as computed before it carried the check: one sum all-reduce of this rank's
+    partial sum of squares (after the grads are synchronised)."""
+    total = torch.zeros(1, dtype=torch.float32)
+    for key in opt.sharded.keys:
+        total += kernels.norm([key.buffers.grad_shard])[0].float()
+    comm.all_reduce(total, None)
+    return (total.sqrt() * opt.amp.grad_factor).reshape(())
+
+
+def clipped_run_matches_ddp_and_old_norms(rank, world):
+    """Clipped steps (clip_grad_norm, torch's clip_grad_norm_ routed, grad_norm): the norms are
+    bit-identical to the computation before, and the params equal DDP + torch.optim.AdamW with
+    torch's clip within tolerance."""
+    model, twin = _model(), _model()
     opt = _opt(model)
+    ddp = nn.parallel.DistributedDataParallel(twin) if world > 1 else twin
+    ref = torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.0)
+    clipped = 0
+    for step in range(4):
+        for m in (model, ddp):
+            gen = torch.Generator().manual_seed(1000 * step + 10 * rank)
+            (m(torch.randn(2, 3, generator=gen)).sum() * 20.0).backward()
+        opt.finish_grad_sync()
+        expected = _old_norm(opt)
+        if step % 2:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            norm = opt.clip_grad_norm(1.0)
+        assert torch.equal(norm, expected), (step, norm, expected)
+        assert torch.equal(opt.grad_norm(), expected)
+        ref_norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        clipped += bool(ref_norm > 1.0)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a, b, **TOL)
+    assert clipped >= 3, "clipping must be active"
+
+
+def _counting_all_reduces(run):
     calls = []
     original = comm.all_reduce
 
@@ -208,13 +349,121 @@ def check_adds_no_collective(rank, world):
 
     comm.all_reduce = counting
     try:
-        for step in range(3):
-            _backward(model, step, rank)
-            opt.step()
-            opt.zero_grad()
+        run()
     finally:
         comm.all_reduce = original
-    assert len(calls) == 3 and all(op == "max" for _, op in calls), calls
+    return calls
+
+
+def check_adds_no_collective(rank, world):
+    """A step in lockstep issues exactly the all-reduces it issued before the check existed,
+    all of one shape and reduction: one (the unused-param flags) for Adam without clipping or a
+    GradScaler; two (the norm's, the flags') with a clip, a GradScaler or both."""
+    model = _model()
+    opt = _opt(model)
+    layout = ((flags_numel(len(opt.params), world),), "sum")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    for kind, per_step in (("plain", 1), ("clip", 2), ("scaler", 2), ("scaler_clip", 2)):
+
+        def run(kind=kind):
+            for _ in range(3):
+                loss = model(torch.randn(2, 3)).sum()
+                (loss if "scaler" not in kind else scaler.scale(loss)).backward()
+                if "clip" in kind:
+                    opt.clip_grad_norm(0.5)
+                if "scaler" in kind:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
+
+        calls = _counting_all_reduces(run)
+        assert calls == [layout] * (3 * per_step), (kind, calls)
+
+
+def _hsdp_opt(model, rank):
+    """World 4: shard groups [0 1] [2 3], replica groups [0 2] [1 3]."""
+    shard = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replica = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return _opt(model, process_group=shard[rank // 2], redundant_process_group=replica[rank % 2])
+
+
+def _hsdp_deviate(clip):
+    """Rank 3 calls zero_grad() between backward and step() (a skipped step is not covered with
+    a redundant group: see Note: lockstep); every rank raises, rank 0 told by rank 2."""
+
+    def run_on(rank, world):
+        assert world == 4
+        model = _model()
+        opt = _hsdp_opt(model, rank)
+
+        def loop():
+            for step in range(3):
+                _backward(model, step, rank)
+                if rank == 3 and step == 1:
+                    opt.zero_grad()
+                if clip:
+                    opt.clip_grad_norm(0.5)
+                opt.step()
+                opt.zero_grad()
+
+        with pytest.raises(LockstepError) as info:
+            loop()
+        message = str(info.value)
+        if rank == 0:  # told through its replica group by rank 2
+            assert "another shard group left lockstep (rank 2 " in message, message
+        else:  # rank 1 meets rank 3 in their replica group; ranks 2, 3 in their shard group
+            mate = {1: 3, 2: 3, 3: 2}[rank]
+            for r in (rank, mate):
+                assert f"rank {r} is " in message, message
+            assert "dropped by a zero_grad()" in message, message
+
+    return run_on
+
+
+def hsdp_zero_grad_before_step(rank, world):
+    _hsdp_deviate(clip=False)(rank, world)
+
+
+def hsdp_zero_grad_before_clip(rank, world):
+    _hsdp_deviate(clip=True)(rank, world)
+
+
+def hsdp_clipped_run_keeps_old_norms(rank, world):
+    """HSDP in lockstep: clipping works and the norm is the shard group's sum of the partials,
+    bit-identical to the computation before."""
+    model = _model()
+    opt = _hsdp_opt(model, rank)
+    for step in range(3):
+        _backward(model, step, rank)
+        opt.finish_grad_sync()
+        total = torch.zeros(1, dtype=torch.float32)
+        for key in opt.sharded.keys:
+            total += kernels.norm([key.buffers.grad_shard])[0].float()
+        comm.all_reduce(total, opt.process_group)
+        expected = (total.sqrt() * opt.amp.grad_factor).reshape(())
+        assert torch.equal(opt.clip_grad_norm(0.5), expected)
+        opt.step()
+        opt.zero_grad()
+
+
+HSDP_CASES = [
+    hsdp_zero_grad_before_step,
+    hsdp_zero_grad_before_clip,
+    hsdp_clipped_run_keeps_old_norms,
+]
+
+
+@pytest.mark.parametrize("case", HSDP_CASES, ids=lambda c: c.__name__)
+def test_lockstep_hsdp_world4(hsdp_results, case):
+    err = hsdp_results[case.__name__]
+    assert err is None, err
+
+
+@pytest.fixture(scope="module")
+def hsdp_results():
+    return run_cases(HSDP_CASES, 4, timeout=400.0, pg_timeout=PG_TIMEOUT, report_hangs=True)
 
 
 CASES = [
@@ -226,6 +475,13 @@ CASES = [
     accumulation_without_no_sync_is_lockstep,
     every_rank_drops_a_batch,
     a_rank_without_backward_contributes_zeros,
+    step_skipped_while_others_clip,
+    step_skipped_while_others_take_grad_norm,
+    step_skipped_while_others_clip_through_torch,
+    step_skipped_while_others_clip_under_grad_scaler,
+    step_skipped_with_lamb_clipping_in_step,
+    clip_skipped_on_one_rank,
+    clipped_run_matches_ddp_and_old_norms,
     check_adds_no_collective,
 ]
 

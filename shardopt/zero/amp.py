@@ -3,7 +3,8 @@
 Averaging over ranks, the inverse loss scale of a ``torch.amp.GradScaler`` and the clip
 coefficient fold into one device scalar ``grad_scale_t`` the update kernels multiply every grad
 element by (no extra pass over the grads, no host sync). The overflow decision comes from the
-all-reduced sum of squares of the grads, so it is the same on every rank.
+all-reduced sum of squares of the grads, so it is the same on every rank. That all-reduce has the
+layout of the step's flags all-reduce and carries the lockstep check (see Note: lockstep).
 
 GradScaler: this optimizer owns its grads (they live in its buckets, not in ``param.grad``), so it
 sets ``_step_supports_amp_scaling`` and receives the scaler in ``step(grad_scaler=...)``, the
@@ -92,7 +93,10 @@ class AmpClip:
             for key in self.sharded.keys:
                 sq, _ = kernels.norm([key.buffers.grad_shard])
                 total += sq.to(device, torch.float32)
-            comm.all_reduce(total, self.process_group)
+            if self.grad_sync.checks_lockstep:  # carries the check (see Note: lockstep)
+                total = self.grad_sync.norm_all_reduce(total)
+            else:
+                comm.all_reduce(total, self.process_group)
             self._sumsq = total
         return self._sumsq
 

@@ -306,8 +306,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         """Clips the grads as ``torch.nn.utils.clip_grad_norm_`` would on the full averaged grads.
 
         The coefficient ``min(1, max_norm / (norm + 1e-6))`` is folded into the kernel's grad scale
-        at ``step()`` (no extra pass, no host sync); with a GradScaler the norm is taken on the
-        unscaled grads inside the step. Call after the last backward and before ``step()``.
+        at ``step()`` (no extra pass); the norm's all-reduce carries the lockstep check (a host
+        sync; see Note: lockstep). Call on every rank after the last backward, before ``step()``.
 
         Args:
             max_norm: the largest norm the averaged grads may have.

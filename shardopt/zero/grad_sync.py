@@ -20,7 +20,16 @@ import torch
 
 from shardopt.optimizers.fused_optimizer import check_grad
 from shardopt.zero import comm
-from shardopt.zero.lockstep import NUM_SLOTS, PHASE_BACKWARD, PHASE_STEP, Lockstep
+from shardopt.zero.lockstep import (
+    PHASE_BACKWARD,
+    PHASE_NORM,
+    PHASE_STEP,
+    RANK_SLOTS,
+    SLOT_NORM,
+    Lockstep,
+    LockstepError,
+    Reduced,
+)
 from shardopt.zero.sharded_params import Key, ShardedParams
 
 # Reduce-scatters in flight during backward before the oldest is waited on (on the compute
@@ -263,40 +272,64 @@ class GradSync:
     def unused_params(self, failed: int | None = None) -> tuple[frozenset[int], int | None]:
         """Params no rank computed a grad for in this iteration (see Note: skipped params in
         update_calls.py), and the param some rank reported as ``failed`` (None if none): one
-        all-reduce of a flag per param (plus one) and a host sync. Collective."""
-        n = len(self.sharded.params)
-        flags = torch.zeros(n + 1 + NUM_SLOTS, dtype=torch.float32)
+        all-reduce of a count per param (plus the lockstep slots) and a host sync. Collective."""
+        counts = torch.zeros(len(self.sharded.params), dtype=torch.float32)
         if self.iteration.touched:
-            flags[list(self.iteration.touched)] = 1.0
-        flags[n] = 0.0 if failed is None else float(failed + 1)
-        self.lockstep.encode(PHASE_STEP, flags[n + 1 :])  # see Note: lockstep
-        flags = self._all_reduce_flags(flags, PHASE_STEP)
-        reported = int(flags[n].item())
-        unused = frozenset((flags[:n] == 0).nonzero().flatten().tolist())
-        return unused, (reported - 1 if reported else None)
+            counts[list(self.iteration.touched)] = 1.0
+        reduced = self._all_reduce_flags(PHASE_STEP, counts, failed)  # see Note: lockstep
+        unused = frozenset((reduced.counts == 0).nonzero().flatten().tolist())
+        return unused, reduced.failed
 
-    def _all_reduce_flags(self, flags: torch.Tensor, phase: int) -> torch.Tensor:
-        """The max all-reduce of the step's flags (unused params, a failed rank, lockstep),
-        checked for lockstep (raises on every rank if the ranks differ)."""
-        flags = flags.to(self.sharded.device)
-        groups = [self.process_group, self.redundant_process_group]
-        for group in groups if groups[1] is not None else groups[:1]:
-            comm.all_reduce(flags, group, op="max")
-            self.lockstep.check(phase, flags[-NUM_SLOTS:], group)
-        return flags
+    def norm_all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of the grad norm's ``partial`` sums of squares, in the
+        step-interval layout and checked for lockstep (see Note: lockstep): a (1,) float32
+        device tensor. Collective."""
+        counts = torch.zeros(len(self.sharded.params), dtype=torch.float32)
+        reduced = self._all_reduce_flags(PHASE_NORM, counts, None, partial)
+        return reduced.sumsq.reshape(1).to(partial.device)
+
+    def _all_reduce_flags(
+        self,
+        phase: int,
+        counts: torch.Tensor,
+        failed: int | None,
+        partial: torch.Tensor | None = None,
+    ) -> Reduced:
+        """The sum all-reduce of the step-interval layout (param counts, this rank's slots)
+        in the shard group, then in the redundant group (where a rank tells its replicas that
+        its shard group left lockstep), checked for lockstep: raises ``LockstepError`` on every
+        rank if the ranks differ, after both (see Note: lockstep)."""
+        n = counts.numel()
+        reduced = sumsq = error = None
+        chain = [self.process_group]
+        if self.redundant_process_group is not None:
+            chain.append(self.redundant_process_group)
+        for group in chain:
+            flags = self.lockstep.flags(phase, counts, failed, group, left=error is not None)
+            flags = flags.to(self.sharded.device)
+            if partial is not None and reduced is None:  # the norm: this rank's own slot
+                at = n + comm.rank(group) * RANK_SLOTS + SLOT_NORM
+                flags[at : at + 1].copy_(partial.reshape(1))
+            comm.all_reduce(flags, group)
+            reduced = self.lockstep.decode(flags.cpu(), n, group)
+            counts, failed = reduced.counts, reduced.failed
+            sumsq = reduced.sumsq if sumsq is None else sumsq  # the norm: the shard group's
+            error = error or reduced.error
+        if error is not None:
+            raise LockstepError(error)
+        reduced.sumsq = sumsq
+        return reduced
 
     @property
     def checks_lockstep(self) -> bool:
-        """Whether the step runs the flags all-reduce that carries the lockstep check (see
-        Note: lockstep)."""
+        """Whether the step-interval all-reduces carry the lockstep check (see Note:
+        lockstep)."""
         return self.sharded.config.skip_unused_params
 
     def _check_lockstep(self, phase: int) -> None:
-        """The step's flags all-reduce, run where a further synchronised backward starts (it
-        pairs with a step() on ranks that did not skip theirs)."""
-        flags = torch.zeros(len(self.sharded.params) + 1 + NUM_SLOTS, dtype=torch.float32)
-        self.lockstep.encode(phase, flags[-NUM_SLOTS:])
-        self._all_reduce_flags(flags, phase)
+        """The step-interval all-reduce, run where a further synchronised backward starts (it
+        pairs with a step() or a grad-norm call on ranks that did not skip their step())."""
+        self._all_reduce_flags(phase, torch.zeros(len(self.sharded.params)), None)
 
     def drop(self) -> None:
         """``zero_grad()``: remembers whether grads already synchronised are dropped."""
