@@ -237,11 +237,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             sharded, process_group=process_group, overlap=self.config.overlap_param_sync
         )
         self.update_calls = UpdateCalls(sharded)
-        #: what CPU offload does here (None without offload); see offload_plan.OffloadPlan
-        self._offload_plan = offload_auto.record(
-            self, offload_settings, self.config.offload_fraction
-        )
-        self._offload_pipeline = offload_pipeline.OffloadPipeline.of(self, offload_settings)
+        # CPU offload: ``_offload_plan`` (offload_plan.OffloadPlan), the pipeline, auto's timer
+        offload_auto.attach(self, offload_settings)
         sharded_params.claim(self.params, self)
         weakref.finalize(self, sharded_params.release, list(self.params), None)
 
@@ -382,6 +379,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         return loss
 
     def _end_iteration(self) -> None:
+        offload_auto.at_boundary(self)  # fraction="auto": times the first steps, re-plans once
         self.grad_sync.reset()
         self.amp.reset()
 
