@@ -10,7 +10,8 @@ re-planned once at a step boundary, and the run stays exact.
   start, and the GPU bytes saved.
 - Checkpoints (``state_dict()``) taken before and after the re-plan load into an optimizer
   without offload and into another auto one, and continue the run bit for bit.
-- The decision is logged once (``shardopt`` logger), none at construction; the same on every rank.
+- The decision is logged once (``shardopt`` logger), none at construction; the same on every
+  rank, and with HSDP the first replica's on every replica.
 - Bad values of the environment variable are named, on every rank, at construction.
 - ``plan_fraction``'s model and the timer are tested as data.
 """
@@ -26,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_cases
-from test_offload import BF16, _model, _opt, _same, _train
+from test_offload import BF16, FORMATS, _model, _opt, _same, _train
 
 import shardopt
 from shardopt.zero import offload_replan
@@ -105,6 +106,8 @@ def replan_is_exact(rank, world):
             ("Adam", torch.float32, {}, None),
             ("Adam", BF16, {}, 1.0),
             ("SGD", BF16, dict(overlap_param_sync=True), None),
+            ("Adam", BF16, FORMATS["remainders_int8"][1], None),
+            ("Adam", torch.float32, FORMATS["int8"][1], None),
         ]  # (with clipping the steps before the re-plan are those of fraction 0: see below)
         for name, dtype, kw, clip in cases:
             auto = _run(name, dtype, shardopt.CPUOffload(fraction="auto"), rank, kw=kw, clip=clip)
@@ -140,6 +143,22 @@ def replan_is_exact(rank, world):
         assert "backward" in auto[0].offload_plan.reason
         by_hand = _by_hand("Adam", BF16, auto[0].offload_plan.fraction, rank, {}, None)
         _check_same(auto, by_hand, "overlap_backward auto vs a re-plan by hand")
+    finally:
+        os.environ.pop(ENV, None)
+
+
+def hsdp_replicas_agree(rank, world):
+    """HSDP (2 ranks per shard group): the second replica's rank 0 would pick another fraction;
+    every rank takes the first replica's, and the run is the re-plan by hand's."""
+    groups = shardopt.zero.hsdp_groups(2)._asdict()
+    ranks = dist.get_process_group_ranks(groups["process_group"])
+    _forced(HALF if 0 in ranks else dict(HALF, gpu_ms=3e-6))
+    try:
+        auto = _run("Adam", BF16, shardopt.CPUOffload(fraction="auto"), rank, kw=groups)
+        fraction = auto[0].offload_plan.fraction
+        assert fraction == pytest.approx(0.5), auto[0].offload_plan
+        by_hand = _by_hand("Adam", BF16, fraction, rank, groups, None)
+        _check_same(auto, by_hand, "HSDP auto vs a re-plan by hand")
     finally:
         os.environ.pop(ENV, None)
 
@@ -235,6 +254,7 @@ PLAN = [
     (1, [replan_is_exact, checkpoints_across_the_replan, logged_once, bad_inputs]),
     (2, [replan_is_exact, logged_once, bad_inputs]),
     (3, [replan_is_exact, checkpoints_across_the_replan, logged_once]),
+    (4, [hsdp_replicas_agree]),
 ]
 
 
@@ -290,6 +310,7 @@ def test_timer_keeps_the_measured_steps():
 
     class _Sync:
         before_sync = on_launch = None
+        enabled = True
 
     sync = _Sync()
     timer = BackwardTimer(torch.device("cpu"))

@@ -127,11 +127,14 @@ class BackwardTimer:
 
     def install(self, grad_sync) -> None:
         """Wraps ``grad_sync``'s ``before_sync`` (run by every grad hook, and by the step's
-        ``finish``) and ``on_launch`` (every reduce-scatter launched during backward)."""
+        ``finish``) and ``on_launch`` (every reduce-scatter launched during backward); times
+        only synchronised backward passes."""
         before, launched = grad_sync.before_sync, grad_sync.on_launch
 
         def before_sync() -> None:
-            if torch._C._current_graph_task_id() != -1:  # a grad hook, inside backward
+            # a grad hook (inside backward) of a synchronised backward (no_sync() micro-batches
+            # only accumulate: what the update can overlap is the backward that syncs)
+            if grad_sync.enabled and torch._C._current_graph_task_id() != -1:
                 self._in_backward()
             if before is not None:
                 before()

@@ -18,7 +18,8 @@ Note: what auto measures
     On a CPU job the device is the host, so auto stays at 0 there.
 
 Note: the re-plan
-    Rank 0's decision is broadcast (every rank gets the same key split). When the fraction
+    Rank 0's decision is broadcast (every rank gets the same key split; with HSDP, that of the
+    first replica). When the fraction
     changes, ``step()`` ends by moving the state: the full state is gathered through the
     torch.optim state dict (the same path as ``state_dict()``: masters, states and each
     param's steps, on the host, one bucket on the device at a time), the keys are planned again
@@ -137,7 +138,11 @@ def _decide(optimizer, timer) -> tuple[float, str, dict[str, float]]:
         except (RuntimeError, ValueError) as e:
             current = optimizer.config.offload_fraction
             decision = (current, f"auto: kept fraction {current:.3f}, could not measure: {e}", {})
-    return comm.all_gather_object(decision, group)[0]
+    decision = comm.all_gather_object(decision, group)[0]
+    redundant = optimizer.redundant_process_group
+    if redundant is not None:  # HSDP: every replica takes the first one's split
+        decision = comm.all_gather_object(decision, redundant)[0]
+    return decision
 
 
 def _measure_and_plan(optimizer, timer) -> tuple[float, str, dict[str, float]]:
