@@ -55,7 +55,11 @@ def _forced(values):
     os.environ[ENV] = json.dumps(values)
 
 
-def _run(name, dtype, offload, rank, *, kw=None, steps=STEPS, clip=None):
+def _scaler(scaled):
+    return torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) if scaled else None
+
+
+def _run(name, dtype, offload, rank, *, kw=None, steps=STEPS, clip=None, scaled=False):
     model = _model(dtype)
     opt = _opt(name, model, offload, **(kw or {}))
     history = []
@@ -64,7 +68,16 @@ def _run(name, dtype, offload, rank, *, kw=None, steps=STEPS, clip=None):
         opt.wait_param_sync()
         history.append([p.detach().clone() for p in model.parameters()])
 
-    _train(model, opt, rank, steps, each=each, clip=clip)
+    _train(
+        model,
+        opt,
+        rank,
+        steps,
+        each=each,
+        clip=clip,
+        scaler=_scaler(scaled),
+        inf_at=4 if scaled else None,
+    )  # fmt: skip (an inf skips the step after the re-plan)
     return opt, history
 
 
@@ -75,7 +88,7 @@ def _check_same(a, b, what):
     _same(opt_a.state_dict(), opt_b.state_dict(), f"{what}: state_dict")
 
 
-def _by_hand(name, dtype, fraction, rank, kw, clip):
+def _by_hand(name, dtype, fraction, rank, kw, clip, scaled=False):
     """The re-plan done by hand: fraction 0 for steps 0-2, then its state_dict() loaded into
     an optimizer built with ``fraction``. (Another key split changes which rank owns an
     element, so with three ranks or more the order gloo sums the grads in, and with clipping
@@ -89,12 +102,15 @@ def _by_hand(name, dtype, fraction, rank, kw, clip):
         o.wait_param_sync()
         history.append([p.detach().clone() for p in model.parameters()])
 
-    _train(model, opt, rank, STEPS[:3], each=lambda s: each(s, opt), clip=clip)
+    scaler = _scaler(scaled)
+    inf_at = 4 if scaled else None
+    _train(model, opt, rank, STEPS[:3], each=lambda s: each(s, opt), clip=clip, scaler=scaler)
     saved = opt.state_dict()
     opt.close()
     after = _opt(name, model, shardopt.CPUOffload(fraction=fraction), **kw)
     after.load_state_dict(saved)
-    _train(model, after, rank, STEPS[3:], each=lambda s: each(s, after), clip=clip)
+    _train(model, after, rank, STEPS[3:], each=lambda s: each(s, after), clip=clip,
+           scaler=scaler, inf_at=inf_at)  # fmt: skip
     return after, history
 
 
@@ -136,6 +152,13 @@ def replan_is_exact(rank, world):
             assert plan.device_bytes_saved == sum(moved.values()), (plan, host)
             if clip is None and world <= 2:  # no offload's bits too
                 _check_same(auto, _run(name, dtype, None, rank, kw=kw), f"{name} vs no offload")
+        # a GradScaler across the re-plan, an inf on rank 0 at step 4 skipping it everywhere
+        auto = _run("Adam", BF16, shardopt.CPUOffload(fraction="auto"), rank, clip=1.0,
+                    scaled=True)  # fmt: skip
+        fraction = auto[0].offload_plan.fraction
+        by_hand = _by_hand("Adam", BF16, fraction, rank, {}, 1.0, scaled=True)
+        _check_same(auto, by_hand, "GradScaler: auto vs a re-plan by hand")
+        _same(auto[1][3], auto[1][4], "the inf at step 4 skipped it")
         # updates during backward after the re-plan ("auto": from the second clean step)
         early = shardopt.CPUOffload(fraction="auto", overlap_backward="auto")
         auto = _run("Adam", BF16, early, rank)

@@ -19,20 +19,21 @@ Note: what auto measures
 
 Note: the re-plan
     Rank 0's decision is broadcast (every rank gets the same key split; with HSDP, that of the
-    first replica). When the fraction
-    changes, ``step()`` ends by moving the state: the full state is gathered through the
-    torch.optim state dict (the same path as ``state_dict()``: masters, states and each
-    param's steps, on the host, one bucket on the device at a time), the keys are planned again
-    with the new fraction (the same planning as a construction with that fraction, so the
-    layout, buckets and results are those of an optimizer built with it from the start, bit
-    for bit), and the state is loaded back into them (``load_state_dict``'s path: the params
-    are the truth, the masters kept where they round to them). It costs one state-dict round
-    trip (host memory of the full state, briefly) once per run. Checkpoints taken before or
-    after it are ordinary ones and load into any optimizer. The decision and its reason are
-    logged once (``shardopt`` logger, INFO) and kept in ``optimizer.offload_plan``
-    (``replanned_at_step``, ``device_bytes_saved``). ``SHARDOPT_OFFLOAD_AUTO_MEASURED`` (JSON
-    of ``cpu_ms``, ``copy_ms``, ``gpu_ms`` per element, ``free_bytes``, ``forward_ms``,
-    ``backward_ms``) replaces what was measured (tests use it to make a CPU job re-plan).
+    first replica). When the fraction changes, ``step()`` ends by moving the state: the full
+    state is gathered through the torch.optim state dict (the same path as ``state_dict()``:
+    masters, states and each param's steps, on the host, one bucket on the device at a time),
+    the keys are planned again with the new fraction (the same planning as a construction with
+    that fraction, so the layout, buckets and results are those of an optimizer built with it
+    and loaded with that state, bit for bit), and the state is loaded back into them
+    (``load_state_dict``'s path: the params are the truth, the masters kept where they round to
+    them). The old keys' masters and states are dropped before the new ones are allocated, so
+    the device never holds both. It costs one state-dict round trip (host memory of the full
+    state, briefly) once per run. Checkpoints taken before or after it are ordinary ones and
+    load into any optimizer. The decision and its reason are logged once (``shardopt`` logger,
+    INFO) and kept in ``optimizer.offload_plan`` (``replanned_at_step``,
+    ``device_bytes_saved``). ``SHARDOPT_OFFLOAD_AUTO_MEASURED`` (JSON of ``cpu_ms``,
+    ``copy_ms``, ``gpu_ms`` per element, ``free_bytes``, ``forward_ms``, ``backward_ms``)
+    replaces what was measured (tests use it to make a CPU job re-plan).
 """
 
 from __future__ import annotations
@@ -229,6 +230,11 @@ def _rebuild(optimizer, name: str, fraction: float) -> None:
             ring.release()
     optimizer.grad_sync.remove_hooks()
     sharded_params.release(optimizer.params, optimizer)
+    # the old masters and states go before the new ones are allocated (the device never holds
+    # both); the params keep their values in the old param buffers until the new ones bind them
+    for attr in ("sharded", "keys", "grad_sync", "amp", "param_sync", "update_calls"):
+        setattr(optimizer, attr, None)
+    optimizer._offload_pipeline = pipeline = None
     optimizer.config = dataclasses.replace(optimizer.config, offload_fraction=float(fraction))
     optimizer._build(name)
     # what outlives an iteration: the lockstep count, the GradScaler seen, the last step's kind
