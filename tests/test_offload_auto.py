@@ -9,7 +9,9 @@ re-planned once at a step boundary, and the run stays exact.
   of no offload; the same key split and ``memory_bytes()`` as the chosen fraction from the
   start, and the GPU bytes saved.
 - Checkpoints (``state_dict()``) taken before and after the re-plan load into an optimizer
-  without offload and into another auto one, and continue the run bit for bit.
+  without offload and into another auto one, and continue the run bit for bit; sharded ones
+  (``shardopt.checkpoint``) saved at world 2 resume at world 3 without offload, with full
+  offload and with auto, to the same final params.
 - The decision is logged once (``shardopt`` logger), none at construction; the same on every
   rank, and with HSDP the first replica's on every replica.
 - Bad values of the environment variable are named, on every rank, at construction.
@@ -21,7 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,11 +34,13 @@ from dist_harness import run_cases
 from test_offload import BF16, FORMATS, _model, _opt, _same, _train
 
 import shardopt
+from shardopt import checkpoint
 from shardopt.zero import offload_replan
 from shardopt.zero.offload_measure import BackwardTimer
 from shardopt.zero.offload_plan import plan_fraction
 
 ENV = offload_replan.MEASURED_ENV
+ROOT = "SHARDOPT_TEST_OFFLOAD_AUTO_ROOT"
 #: per element: CPU update + copies 0.8e-6 ms (x1.25 headroom = 1e-6), GPU update 1e-6 ms,
 #: nothing to hide in: the two sides meet at fraction 0.5
 HALF = {"cpu_ms": 0.6e-6, "copy_ms": 0.2e-6, "gpu_ms": 1e-6, "free_bytes": 1e12, "forward_ms": 0.0,
@@ -224,6 +230,50 @@ def checkpoints_across_the_replan(rank, world):
         os.environ.pop(ENV, None)
 
 
+def _solo_opt(model, offload):
+    return _opt("Adam", model, offload, average_grad_sync=False)
+
+
+def save_w2(rank, world):
+    """World 2, auto forced to 0.5 (only rank 0's grads count, so the run does not depend on
+    the world size): sharded checkpoints after step 1 (before the re-plan) and step 4 (after)."""
+    root = Path(os.environ[ROOT])
+    _forced(HALF)
+    try:
+        model = _model(BF16)
+        opt = _solo_opt(model, shardopt.CPUOffload(fraction="auto"))
+
+        def each(step):
+            if step in (1, 4):
+                checkpoint.save(root / f"auto-{step}", opt, model)
+
+        _train(model, opt, rank, STEPS, each=each, solo=True)
+        assert opt.offload_plan.replanned_at_step == 3 and opt.offload_plan.fraction == 0.5
+        if rank == 0:
+            torch.save(model.state_dict(), root / "auto-final.pt")
+    finally:
+        os.environ.pop(ENV, None)
+
+
+def resume_w3(rank, world):
+    """World 3 resumes both checkpoints without offload, with full offload and with auto (which
+    re-plans on its own third step): the final params of the world-2 run, bit for bit."""
+    root = Path(os.environ[ROOT])
+    expected = torch.load(root / "auto-final.pt", weights_only=True)
+    _forced(HALF)
+    try:
+        for at in (1, 4):
+            for offload in (None, "cpu", shardopt.CPUOffload(fraction="auto")):
+                model = _model(BF16, seed=5)
+                opt = _solo_opt(model, offload)
+                checkpoint.load(root / f"auto-{at}", opt, model)
+                _train(model, opt, rank, range(at + 1, len(STEPS)), solo=True)
+                for k, v in model.state_dict().items():
+                    assert torch.equal(v, expected[k]), (at, offload, k)
+    finally:
+        os.environ.pop(ENV, None)
+
+
 def logged_once(rank, world):
     """One INFO line with the decision (rank 0), none at construction; a CPU job keeps 0."""
     records = _Records()
@@ -275,19 +325,24 @@ def bad_inputs(rank, world):
 
 PLAN = [
     (1, [replan_is_exact, checkpoints_across_the_replan, logged_once, bad_inputs]),
-    (2, [replan_is_exact, logged_once, bad_inputs]),
-    (3, [replan_is_exact, checkpoints_across_the_replan, logged_once]),
+    (2, [replan_is_exact, logged_once, bad_inputs, save_w2]),
+    (3, [replan_is_exact, checkpoints_across_the_replan, logged_once, resume_w3]),
     (4, [hsdp_replicas_agree]),
 ]
 
 
 @pytest.fixture(scope="module")
 def results():
-    out = {}
-    for world, cases in PLAN:
-        for name, err in run_cases(cases, world, timeout=600).items():
-            out[(world, name)] = err
-    return out
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ[ROOT] = tmp
+        out = {}
+        try:
+            for world, cases in PLAN:
+                for name, err in run_cases(cases, world, timeout=600).items():
+                    out[(world, name)] = err
+            return out
+        finally:
+            os.environ.pop(ROOT, None)
 
 
 @pytest.mark.parametrize(
