@@ -9,8 +9,8 @@ single-process class calls). The roles live in their own modules, composed here:
   - ``amp``: the global grad norm, clipping and GradScaler handling;
   - ``param_sync``: the all-gather of the params after the update;
   - ``state_io``: the state-I/O interface and the torch.optim state dict;
-  - ``offload_plan``, ``offload_auto``, ``host_state``, ``offload_pipeline``: CPU offload (which
-    keys live on the host, and their update there: see Note: the offloaded step).
+  - ``offload_*``, ``host_state``: CPU offload (which keys live on the host, their update there,
+    and auto's re-plan: see Note: the offloaded step, Note: the re-plan).
 
 One step (default settings):
   1. backward: grads go into transient buckets, reduce-scattered as they fill (``grad_sync``);
