@@ -14,7 +14,8 @@ re-planned once at a step boundary, and the run stays exact.
   offload and with auto, to the same final params.
 - The decision is logged once (``shardopt`` logger), none at construction; the same on every
   rank, and with HSDP the first replica's on every replica.
-- Bad values of the environment variable are named, on every rank, at construction.
+- Bad values of the environment variable are named, on every rank, at construction; a failed
+  measurement at the re-plan keeps the fraction on every rank.
 - ``plan_fraction``'s model and the timer are tested as data.
 """
 
@@ -323,9 +324,25 @@ def bad_inputs(rank, world):
     _opt("Adam", model, auto)  # unset again: fine
 
 
+def failed_measurement(rank, world):
+    """A failure to measure on rank 0 at the re-plan keeps the fraction on every rank (no rank
+    waits for another, no rank raises mid-training)."""
+    model = _model(torch.float32)
+    opt = _opt("Adam", model, shardopt.CPUOffload(fraction="auto"))
+    try:
+        _train(model, opt, rank, range(2))
+        os.environ[ENV] = "not json"  # read again by rank 0 at the re-plan
+        _train(model, opt, rank, range(2, 5))
+    finally:
+        os.environ.pop(ENV, None)
+    plan = opt.offload_plan
+    assert plan.fraction == 0.0 and plan.replanned_at_step == 3, plan
+    assert "could not measure" in plan.reason and ENV in plan.reason, plan
+
+
 PLAN = [
     (1, [replan_is_exact, checkpoints_across_the_replan, logged_once, bad_inputs]),
-    (2, [replan_is_exact, logged_once, bad_inputs, save_w2]),
+    (2, [replan_is_exact, logged_once, bad_inputs, failed_measurement, save_w2]),
     (3, [replan_is_exact, checkpoints_across_the_replan, logged_once, resume_w3]),
     (4, [hsdp_replicas_agree]),
 ]

@@ -136,7 +136,7 @@ def _decide(optimizer, timer) -> tuple[float, str, dict[str, float]]:
     if comm.rank(group) == 0:
         try:
             decision = _measure_and_plan(optimizer, timer)
-        except (RuntimeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 (any failure here must not leave the others waiting)
             current = optimizer.config.offload_fraction
             decision = (current, f"auto: kept fraction {current:.3f}, could not measure: {e}", {})
     decision = comm.all_gather_object(decision, group)[0]
