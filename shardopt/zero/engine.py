@@ -152,11 +152,11 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         except (TypeError, ValueError, NotImplementedError) as e:
             error = e
         comm.raise_if_any(error, process_group)
+        self.redundant_process_group = redundant_process_group
         fraction = offload_auto.agreed_fraction(self, offload_settings, storage, process_group)
         #: the NCCL-registered pool of ``nccl_ub=True`` (shardopt/zero/user_buffers.py), or None
         self._user_buffers = ub
         self.process_group = process_group
-        self.redundant_process_group = redundant_process_group
         self.config = ShardingConfig(
             bucket_cap_mb=float(bucket_cap_mb),
             state_dtype=dtype,

@@ -5,8 +5,8 @@ does not fit in the free GPU memory (none on a CPU job, where the device is the 
 backward has not run yet, so the window the CPU update could hide in is unknown; the fraction is
 picked from measured times after the first steps and applied once at a step boundary
 (offload_replan.py, Note: what auto measures). Rank 0 decides; every rank takes its decision
-(the key split must be the same everywhere). ``attach`` gives a built optimizer its plan, its
-pipeline and, for auto, the timer of its first steps.
+(the key split must be the same everywhere; with HSDP, the first replica's). ``attach`` gives a
+built optimizer its plan, its pipeline and, for auto, the timer of its first steps.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ def agreed_fraction(
     elif comm.rank(process_group) == 0:
         decision = (1.0, "auto: no trainable params", {})
     decision = comm.all_gather_object(decision, process_group)[0]
+    redundant = optimizer.redundant_process_group
+    if redundant is not None:  # HSDP: every replica takes the first one's split
+        decision = comm.all_gather_object(decision, redundant)[0]
     if isinstance(decision, Exception):
         raise type(decision)(str(decision))
     fraction, reason, found = decision
