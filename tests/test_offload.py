@@ -434,12 +434,13 @@ def partial_fraction(rank, world):
 
 
 def auto_fraction(rank, world):
-    """On a CPU job the device is the host: auto offloads nothing, on every rank alike."""
+    """On a CPU job the device is the host: auto offloads nothing, on every rank alike (the
+    re-plan after the first steps is tested in test_offload_auto.py)."""
     model = _model(torch.float32)
     opt = _opt("Adam", model, shardopt.CPUOffload(fraction="auto"))
     plan = opt.offload_plan
     assert plan.requested == "auto" and plan.fraction == 0.0, plan
-    assert plan.reason.startswith("auto: ") and {"cpu_ms", "copy_ms"} <= set(plan.measurements)
+    assert plan.reason.startswith("auto at construction: "), plan
     everyone = [None] * world
     dist.all_gather_object(everyone, (plan.fraction, plan.reason))
     assert all(e == everyone[0] for e in everyone)
@@ -639,22 +640,17 @@ def test_plan_fraction_as_data():
     gib = 2.0**30
     base = dict(numel=10**9, device_bytes_per_param=12.0, cpu_ms_per_param=1e-6,
                 copy_ms_per_param=2e-7, gpu_ms_per_param=5e-8)  # fmt: skip
-    # everything fits and the GPU update is faster, nothing to hide in: keep it on the GPU
-    f, reason = plan_fraction(**base, free_device_bytes=100 * gib, backward_ms=0.0)
-    assert f == 0.0 and "fraction 0.000" in reason
     # a third of the state fits: offload the rest (the smallest fraction that fits)
-    f, _ = plan_fraction(**base, free_device_bytes=4e9, backward_ms=0.0)
+    f, _ = plan_fraction(**base, free_device_bytes=4e9, window_ms=0.0)
     assert f == pytest.approx(1 - 4e9 / 12e9)
-    # a long backward hides the whole CPU update (1200 ms): offload everything
-    f, _ = plan_fraction(**base, free_device_bytes=100 * gib, backward_ms=2000.0)
+    # a long window hides the whole CPU update (1200 ms): offload everything
+    f, _ = plan_fraction(**base, free_device_bytes=100 * gib, window_ms=2000.0)
     assert f == 1.0
-    # a backward that hides half of it: the knee
-    f, _ = plan_fraction(**base, free_device_bytes=100 * gib, backward_ms=600.0)
-    assert f == pytest.approx(0.5)
     # nothing fits on the GPU
-    f, _ = plan_fraction(**base, free_device_bytes=0.0, backward_ms=0.0)
+    f, _ = plan_fraction(**base, free_device_bytes=0.0, window_ms=0.0)
     assert f == 1.0
-    assert plan_fraction(**dict(base, numel=0), free_device_bytes=0.0, backward_ms=0.0)[0] == 1.0
+    assert plan_fraction(**dict(base, numel=0), free_device_bytes=0.0, window_ms=0.0)[0] == 1.0
+    # (the time model itself: tests/test_offload_auto.py)
 
 
 @pytest.mark.parametrize(

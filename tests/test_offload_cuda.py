@@ -4,7 +4,11 @@ On CUDA the CPU kernels replace the CUDA ones for offloaded keys. ``test_offload
 reports per class whether the results are bit-identical and checks the rest stay within one ulp
 per step (fp32 masters and moments); run with ``-s`` to see which classes are exact.
 ``test_worker_overlaps_the_next_forward`` and ``test_worker_overlaps_backward``: the offload
-worker thread with overlap_param_sync, and with updates during backward.
+worker thread with overlap_param_sync, and with updates during backward. ``fraction="auto"``:
+the first steps timed with CUDA events and the re-plan after them
+(``test_auto_measures_the_backward_and_replans``), and the target on a model that fits without
+offload, a step at most 1.1x the step without it (``test_auto_step_is_within_ten_percent_...``;
+``-s`` prints the fraction, the GPU memory saved and both step times).
 """
 
 from __future__ import annotations
@@ -275,3 +279,111 @@ def test_worker_overlaps_backward():
         for key, t in entry.items():
             if torch.is_tensor(t):
                 assert torch.equal(t, sd1["state"][pid][key]), (pid, key)
+
+
+# -- fraction="auto": the measured backward and the re-plan ---------------------------------------
+
+
+def _gpt_like(width: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
+    return nn.Sequential(*blocks).cuda().to(torch.bfloat16)
+
+
+def _train_ms(model, opt, steps: int, rows: int, width: int) -> float:
+    """The mean time (ms) of ``steps`` iterations (forward + backward + step; the last step's
+    worker and all-gathers waited for at the end only, so they overlap the next forward)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(rows, width, generator=gen, device="cuda", dtype=torch.bfloat16)
+    opt.wait_param_sync()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_param_sync()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def test_auto_measures_the_backward_and_replans():
+    """fraction="auto" on a model that fits: the first steps are timed with CUDA events, the
+    decision after step 3 names what it measured, is logged once, and memory_bytes() and
+    ``device_bytes_saved`` agree with the state that left the GPU; the run stays close to the
+    run without offload (the CPU kernels replace the CUDA ones for the offloaded part)."""
+    import logging
+
+    class _Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record) -> None:
+            self.lines.append(record.getMessage())
+
+    records = _Records()
+    logger = logging.getLogger("shardopt")
+    logger.addHandler(records)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        runs = []
+        for offload in (None, shardopt.CPUOffload(fraction="auto", overlap_backward="auto")):
+            model = _gpt_like(1024, 4)
+            opt = shardopt.DistributedFusedAdam(
+                model.parameters(), lr=1e-3, bucket_cap_mb=16, offload=offload,
+                overlap_param_sync=True,
+            )  # fmt: skip
+            _train_ms(model, opt, 6, 2048, 1024)
+            runs.append((model, opt))
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    (plain_model, plain), (model, opt) = runs
+    plan = opt.offload_plan
+    print(f"auto: fraction {plan.fraction:.3f}; {plan.reason}")
+    assert plan.replanned_at_step == 3 and 0.0 <= plan.fraction <= 1.0, plan
+    m = plan.measurements
+    assert m["backward_ms"] > 0 and m["forward_ms"] > 0, m
+    assert m["cpu_ms"] > 0 and m["copy_ms"] > 0 and m["gpu_ms"] > 0 and m["free_bytes"] > 0, m
+    lines = [line for line in records.lines if "CPU offload" in line]
+    assert len(lines) == 1 and "after step 3" in lines[0], lines
+    names = {"master", "remainder", "exp_avg", "exp_avg_sq"}
+    before, after = plain.memory_bytes(), opt.memory_bytes()
+    freed = sum(before.get(n, 0) - after.get(n, 0) for n in names)
+    # (a split key pads each part to the shard alignment: a few elements per key)
+    assert abs(freed - plan.device_bytes_saved) <= 16 * 1024 * len(opt.keys), (before, after, plan)
+    if plan.fraction > 0:
+        assert plan.host_params > 0 and opt.memory_bytes("host")["exp_avg"] > 0
+    for a, b in zip(plain_model.parameters(), model.parameters()):
+        torch.testing.assert_close(a.float(), b.float(), rtol=6 * 2 * 2**-7, atol=1e-5)
+
+
+def test_auto_step_is_within_ten_percent_of_no_offload():
+    """The target: fraction="auto" on a model that fits without offload takes at most 1.1x the
+    step without offload (the best of three 5-step means after the re-plan), and reports the GPU
+    memory it saves."""
+    width, layers, rows = 2048, 8, 8192
+    best, saved = [], None
+    for offload in (None, shardopt.CPUOffload(fraction="auto", overlap_backward="auto")):
+        model = _gpt_like(width, layers)
+        opt = shardopt.DistributedFusedAdam(
+            model.parameters(), lr=1e-4, offload=offload, overlap_param_sync=True
+        )
+        _train_ms(model, opt, 4, rows, width)  # the re-plan after step 3, a step after it
+        best.append(min(_train_ms(model, opt, 5, rows, width) for _ in range(3)))
+        if offload is not None:
+            plan = opt.offload_plan
+            saved = plan.device_bytes_saved
+            print(f"auto: fraction {plan.fraction:.3f}, {saved / 2**20:.1f} MiB of GPU memory "
+                  f"saved; {plan.reason}")  # fmt: skip
+        opt.close()
+        del model, opt
+        torch.cuda.empty_cache()
+    plain_ms, auto_ms = best
+    print(f"step: no offload {plain_ms:.2f} ms, auto {auto_ms:.2f} ms ({auto_ms / plain_ms:.3f}x)")
+    assert saved is not None and saved >= 0
+    assert auto_ms <= 1.1 * plain_ms, (plain_ms, auto_ms)

@@ -9,8 +9,8 @@ single-process class calls). The roles live in their own modules, composed here:
   - ``amp``: the global grad norm, clipping and GradScaler handling;
   - ``param_sync``: the all-gather of the params after the update;
   - ``state_io``: the state-I/O interface and the torch.optim state dict;
-  - ``offload_plan``, ``offload_auto``, ``host_state``, ``offload_pipeline``: CPU offload (which
-    keys live on the host, and their update there: see Note: the offloaded step).
+  - ``offload_*``, ``host_state``: CPU offload (which keys live on the host, their update there,
+    and auto's re-plan: see Note: the offloaded step, Note: the re-plan).
 
 One step (default settings):
   1. backward: grads go into transient buckets, reduce-scattered as they fill (``grad_sync``);
@@ -152,11 +152,11 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         except (TypeError, ValueError, NotImplementedError) as e:
             error = e
         comm.raise_if_any(error, process_group)
+        self.redundant_process_group = redundant_process_group
         fraction = offload_auto.agreed_fraction(self, offload_settings, storage, process_group)
         #: the NCCL-registered pool of ``nccl_ub=True`` (shardopt/zero/user_buffers.py), or None
         self._user_buffers = ub
         self.process_group = process_group
-        self.redundant_process_group = redundant_process_group
         self.config = ShardingConfig(
             bucket_cap_mb=float(bucket_cap_mb),
             state_dtype=dtype,
@@ -237,11 +237,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             sharded, process_group=process_group, overlap=self.config.overlap_param_sync
         )
         self.update_calls = UpdateCalls(sharded)
-        #: what CPU offload does here (None without offload); see offload_plan.OffloadPlan
-        self._offload_plan = offload_auto.record(
-            self, offload_settings, self.config.offload_fraction
-        )
-        self._offload_pipeline = offload_pipeline.OffloadPipeline.of(self, offload_settings)
+        # CPU offload: ``_offload_plan`` (offload_plan.OffloadPlan), the pipeline, auto's timer
+        offload_auto.attach(self, offload_settings)
         sharded_params.claim(self.params, self)
         weakref.finalize(self, sharded_params.release, list(self.params), None)
 
@@ -382,6 +379,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         return loss
 
     def _end_iteration(self) -> None:
+        offload_auto.at_boundary(self)  # fraction="auto": times the first steps, re-plans once
         self.grad_sync.reset()
         self.amp.reset()
 

@@ -1,15 +1,12 @@
-"""CPU offload at construction: the fraction every rank uses, the thread budget, the plan's log.
+"""CPU offload at construction: the fraction every rank starts with, the thread budget, the plan.
 
-``fraction="auto"`` is decided here, before the keys are planned, from measurements taken on this
-machine at construction (``measure``): the CPU kernel's update time per element (an Adam update
-of 2^20 fp32 elements on the host, the thread budget in effect), the host-device copy time per
-element (the grad down and the param up, in their dtypes), the device kernel's time and the
-free device memory. The backward pass has not run yet, so the window the CPU update could hide
-in is taken as zero: auto keeps on the GPU as much state as the free GPU memory holds when the
-GPU update is the faster, and offloads only what does not fit (see ``plan_fraction``). Rank 0
-measures and decides; every rank takes its decision (the key split must be the same everywhere).
-On a CPU job the device is the host: nothing is short of memory and the host path only adds
-copies, so auto deterministically offloads nothing (fraction 0).
+``fraction="auto"`` starts here with what must be offloaded: the share of this rank's state that
+does not fit in the free GPU memory (none on a CPU job, where the device is the host). The
+backward has not run yet, so the window the CPU update could hide in is unknown; the fraction is
+picked from measured times after the first steps and applied once at a step boundary
+(offload_replan.py, Note: what auto measures). Rank 0 decides; every rank takes its decision
+(the key split must be the same everywhere; with HSDP, the first replica's). ``attach`` gives a
+built optimizer its plan, its pipeline and, for auto, the timer of its first steps.
 """
 
 from __future__ import annotations
@@ -17,70 +14,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 
 import torch
 
 from shardopt import kernels as _ops
-from shardopt import state_codec
-from shardopt.zero import comm, host_state
-from shardopt.zero.offload_plan import CPUOffload, OffloadPlan, plan_fraction, thread_budget
+from shardopt.zero import comm, host_state, offload_measure, offload_pipeline, offload_replan
+from shardopt.zero.offload_plan import CPUOffload, OffloadPlan, floor_fraction, thread_budget
+from shardopt.zero.offload_replan import at_boundary  # noqa: F401  (the engine's step boundary)
 from shardopt.zero.state_storage import Storage
 
 logger = logging.getLogger("shardopt")
-
-_MEASURE_NUMEL = 1 << 20
-
-
-def _time_ms(fn, device: torch.device, repeat: int = 3) -> float:
-    """Best of ``repeat`` timed calls of ``fn`` (after a warm-up), in milliseconds."""
-    fn()
-    best = math.inf
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, (time.perf_counter() - start) * 1e3)
-    return best
-
-
-def _adam_ms(device: torch.device) -> float:
-    n = _MEASURE_NUMEL
-    tensors = [[torch.zeros(n, dtype=torch.float32, device=device)] for _ in range(4)]
-
-    def update() -> None:
-        _ops.adam(
-            tensors, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=1, adam_w_mode=True,
-            bias_correction=True, weight_decay=0.0,
-        )  # fmt: skip
-
-    return _time_ms(update, device) / n
-
-
-def measure(device: torch.device, grad_bytes: int, param_bytes: int) -> dict[str, float]:
-    """Per-element times (ms) of the CPU update, the copies and the device update; free device
-    bytes (infinite on a CPU job)."""
-    cpu = _adam_ms(torch.device("cpu"))
-    n = _MEASURE_NUMEL
-    host = torch.empty(n * (grad_bytes + param_bytes), dtype=torch.uint8)
-    dev = torch.empty_like(host, device=device)
-    copy = _time_ms(lambda: (host.copy_(dev), dev.copy_(host)), device) / n
-    if device.type == "cuda":
-        gpu = _adam_ms(device)
-        free = float(torch.cuda.mem_get_info(device)[0])
-    else:
-        gpu, free = cpu, math.inf
-    return {"cpu_ms": cpu, "copy_ms": copy, "gpu_ms": gpu, "free_bytes": free}
-
-
-def _state_bytes_per_param(optimizer, params: list[torch.Tensor], storage: Storage) -> float:
-    """GPU bytes per shard element that offloading frees: the master copy (low-precision
-    params) and every state tensor in its format."""
-    master = 4.0 if any(p.dtype != torch.float32 for p in params) else 0.0
-    return master + len(optimizer.state_names) * state_codec.bytes_per_element(storage.state_format)
 
 
 def agreed_fraction(
@@ -89,8 +32,8 @@ def agreed_fraction(
     storage: Storage | None,
     process_group: comm.ProcessGroup | None,
 ) -> float | None:
-    """The fraction of every key to offload (the same on every rank), None without offload;
-    sets the update's thread budget."""
+    """The fraction of every key to offload at construction (the same on every rank), None
+    without offload; sets the update's thread budget."""
     if settings is None:
         return None
     optimizer._offload_threads = thread_budget(settings.threads)
@@ -98,32 +41,37 @@ def agreed_fraction(
     optimizer._offload_measurements = {}
     if settings.fraction != "auto":
         return float(settings.fraction)
-    decision: tuple | str | None = None
+    decision: tuple | Exception | None = None
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if comm.rank(process_group) == 0 and params:
         try:  # a failure here must fail every rank, not leave them waiting below
+            offload_replan.injected()  # a bad value is named now, not at the re-plan
             device = _ops.common_device(params, "params")
-            grad = 4 if any(p.dtype != torch.float32 for p in params) else params[0].itemsize
-            with host_state.threads(optimizer._offload_threads):
-                found = measure(device, grad, max(p.element_size() for p in params))
             numel = -(-sum(p.numel() for p in params) // comm.world_size(process_group))
-            fraction, reason = plan_fraction(
-                numel=numel,
-                device_bytes_per_param=_state_bytes_per_param(optimizer, params, storage),
-                free_device_bytes=found["free_bytes"],
-                cpu_ms_per_param=found["cpu_ms"],
-                copy_ms_per_param=found["copy_ms"],
-                gpu_ms_per_param=found["gpu_ms"],
-                backward_ms=0.0,
+            need = numel * offload_measure.state_bytes_per_param(optimizer, params, storage)
+            free = float(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else math.inf
+            fraction = floor_fraction(need, free)
+            reason = (
+                f"auto at construction: state {need / 2**30:.2f} GiB vs "
+                f"{free / 2**30:.2f} GiB free on the device, offload {fraction:.3f} until the "
+                f"first {offload_replan.MEASURED_STEPS} steps are timed"
             )
-            decision = (fraction, "auto: " + reason, found)
+            found = {"free_bytes": free} if math.isfinite(free) else {}
+            decision = (fraction, reason, found)
+        except ValueError as e:
+            decision = ValueError(f"{type(optimizer).__name__}: offload fraction='auto': {e}")
         except RuntimeError as e:
-            decision = f"{type(optimizer).__name__}: offload fraction='auto' could not measure: {e}"
+            decision = RuntimeError(
+                f"{type(optimizer).__name__}: offload fraction='auto' could not measure: {e}"
+            )
     elif comm.rank(process_group) == 0:
         decision = (1.0, "auto: no trainable params", {})
     decision = comm.all_gather_object(decision, process_group)[0]
-    if isinstance(decision, str):
-        raise RuntimeError(decision)
+    redundant = optimizer.redundant_process_group
+    if redundant is not None:  # HSDP: every replica takes the first one's split
+        decision = comm.all_gather_object(decision, redundant)[0]
+    if isinstance(decision, Exception):
+        raise type(decision)(str(decision))
     fraction, reason, found = decision
     optimizer._offload_reason, optimizer._offload_measurements = reason, found
     return fraction
@@ -150,6 +98,11 @@ def record(optimizer, settings: CPUOffload | None, fraction: float | None) -> Of
             return sum(len(k.layout.params) for k in keys)
         return sum(k.layout.shard_numel for k in keys)
 
+    saved = 0  # host state that would be on the GPU (a param key's host master copies params)
+    for key in host:
+        for what, n in key.buffers.bytes("host").items():
+            if what != "master" or key.buffers.master_kind == "copy":
+                saved += n
     plan = OffloadPlan(
         fraction=float(fraction),
         requested=settings.fraction,
@@ -160,8 +113,10 @@ def record(optimizer, settings: CPUOffload | None, fraction: float | None) -> Of
         host_numel=count(host, "numel"),
         device_numel=count(device, "numel"),
         measurements=dict(optimizer._offload_measurements),
+        device_bytes_saved=saved,
     )
-    if optimizer.rank == 0:
+    # auto logs its decision once, when it is taken after the first steps (offload_replan.py)
+    if optimizer.rank == 0 and settings.fraction != "auto":
         logger.info(
             "%s: CPU offload of %d params (%d shard elements) on %d threads, %d params on the "
             "GPU; %s",
@@ -169,3 +124,12 @@ def record(optimizer, settings: CPUOffload | None, fraction: float | None) -> Of
             plan.device_params, plan.reason,
         )  # fmt: skip
     return plan
+
+
+def attach(optimizer, settings: CPUOffload | None) -> None:
+    """A built optimizer's ``_offload_plan`` and ``_offload_pipeline`` (None without offload);
+    with ``fraction="auto"``, the timer of its first steps (offload_replan.install)."""
+    optimizer._offload_plan = record(optimizer, settings, optimizer.config.offload_fraction)
+    optimizer._offload_pipeline = offload_pipeline.OffloadPipeline.of(optimizer, settings)
+    if settings is not None and settings.fraction == "auto":
+        offload_replan.install(optimizer)

@@ -3,7 +3,8 @@
 ``CPUOffload`` is what users pass (``offload="cpu"`` is ``CPUOffload()``). ``resolve`` checks it;
 ``split_params`` cuts a key's params into the part whose masters, state and update live on the
 host and the part that stays on the GPU; ``plan_fraction`` is the ``fraction="auto"`` decision as
-a pure function of measured speeds (milliseconds and bytes), so it is tested as data.
+a pure function of measured speeds (milliseconds and bytes), so it is tested as data (the
+measurements are taken in offload_auto.py and offload_replan.py).
 
 Note: which params stay on the GPU
     Within a key params are laid out in reverse registration order (layout.py), so backward
@@ -34,8 +35,10 @@ class CPUOffload:
     Args:
         fraction: share of this rank's shard (in elements, rounded to whole params) whose state
             and update live on the CPU, in [0, 1]; the rest (the params backward produces last,
-            which the next forward needs first) keep the GPU path. ``"auto"`` picks it from the
-            measured CPU update speed, host-device copy speed and free GPU memory (see
+            which the next forward needs first) keep the GPU path. ``"auto"``: at construction
+            only what does not fit in the free GPU memory; after the first steps, the fraction
+            picked from the measured backward (and forward) time, CPU update speed,
+            host-device copy speed and free GPU memory, applied once at a step boundary (see
             docs/offload.md); the choice and its reason are logged once (``shardopt`` logger)
             and kept in ``optimizer.offload_plan``.
         pin_memory: stage grads and updated params through page-locked host buffers of exact
@@ -74,6 +77,12 @@ class OffloadPlan:
     host_numel: int = 0  # elements of this rank's shard on the host
     device_numel: int = 0  # elements of this rank's shard on the GPU
     measurements: dict[str, float] = field(default_factory=dict)
+    #: bytes of optimizer state (masters, states, remainders, scales) this rank keeps in host
+    #: memory instead of on the GPU: the GPU memory offload saves
+    device_bytes_saved: int = 0
+    #: ``fraction="auto"``: the step after which the fraction was re-planned from the measured
+    #: backward (None before that, and for a fixed fraction)
+    replanned_at_step: int | None = None
 
 
 def resolve(owner: str, offload: object) -> CPUOffload | None:
@@ -148,6 +157,13 @@ def split_params(numels: list[int], fraction: float) -> int:
     return best
 
 
+def floor_fraction(need_bytes: float, free_bytes: float) -> float:
+    """The smallest fraction whose GPU share of ``need_bytes`` fits in ``free_bytes``."""
+    if need_bytes <= free_bytes:
+        return 0.0
+    return min(max(1.0 - max(free_bytes, 0.0) / need_bytes, 0.0), 1.0)
+
+
 def plan_fraction(
     *,
     numel: int,
@@ -156,15 +172,20 @@ def plan_fraction(
     cpu_ms_per_param: float,
     copy_ms_per_param: float,
     gpu_ms_per_param: float,
-    backward_ms: float,
+    window_ms: float,
+    headroom: float = 1.0,
 ) -> tuple[float, str]:
     """The ``fraction="auto"`` decision: (fraction, reason), from measurements.
 
-    The step of fraction f is about ``max(backward, f*n*(cpu + copy)) + (1-f)*n*gpu``: the CPU
-    update and the copies of the offloaded part overlap backward (and each other), the GPU
-    update of the rest does not. The shortest such step that fits in memory is taken: the
-    smallest f whose GPU state (``(1-f)*n*device_bytes_per_param``) fits in the free GPU memory;
-    above it, the f that minimises the step.
+    The optimizer time a step of fraction f exposes is about
+    ``max((1-f)*n*gpu, f*n*(cpu + copy)*headroom - window)``: the GPU update of the part kept
+    on the GPU runs while the worker updates the offloaded part on the CPU (with its copies),
+    and that CPU work also hides in ``window`` (the backward it may start in and the next
+    forward it may run into: see Note: what auto measures in offload_replan.py). Without
+    offload it is ``n*gpu``. The shortest step is where both sides meet,
+    ``f = (gpu + window/n) / (gpu + (cpu + copy)*headroom)``, capped at 1 and raised to the
+    smallest fraction whose GPU state (``(1-f)*n*device_bytes_per_param``) fits in the free
+    GPU memory; at equal time the larger fraction (more GPU memory saved) is taken.
 
     Args:
         numel: elements of this rank's shard.
@@ -172,27 +193,36 @@ def plan_fraction(
         free_device_bytes: GPU memory free for optimizer state.
         cpu_ms_per_param, copy_ms_per_param, gpu_ms_per_param: measured update and copy time
             per element (the copy: grad down and param up).
-        backward_ms: the backward pass (the window the CPU update can hide in).
+        window_ms: the time the CPU update can hide in (0 when nothing overlaps it).
+        headroom: factor on the CPU side's time, for what the model leaves out (the worker
+            thread sharing the host with the training loop).
     """
     if numel <= 0:
         return 1.0, "nothing to offload (empty shard)"
+    if min(cpu_ms_per_param, copy_ms_per_param, gpu_ms_per_param, window_ms) < 0 or not (
+        headroom >= 1.0
+    ):
+        raise ValueError(
+            "plan_fraction: times must be >= 0 and headroom >= 1, got "
+            f"cpu={cpu_ms_per_param}, copy={copy_ms_per_param}, gpu={gpu_ms_per_param}, "
+            f"window={window_ms}, headroom={headroom}"
+        )
     need = numel * device_bytes_per_param
-    floor = 0.0 if need <= free_device_bytes else 1.0 - free_device_bytes / need
-    floor = min(max(floor, 0.0), 1.0)
-    host_ms = numel * (cpu_ms_per_param + copy_ms_per_param)
+    floor = floor_fraction(need, free_device_bytes)
+    host_ms = numel * (cpu_ms_per_param + copy_ms_per_param) * headroom
     gpu_ms = numel * gpu_ms_per_param
 
     def step_ms(f: float) -> float:
-        return max(backward_ms, f * host_ms) + (1.0 - f) * gpu_ms
+        return max((1.0 - f) * gpu_ms, f * host_ms - window_ms)
 
-    # step_ms is piecewise linear: its minimum over [floor, 1] is at an end or at the knee
-    knee = backward_ms / host_ms if host_ms > 0 else 1.0
-    candidates = sorted({floor, 1.0, min(max(knee, floor), 1.0)})
-    best = min(candidates, key=lambda f: (round(step_ms(f), 9), f))
+    # step_ms is the max of a falling and a rising line: its minimum is where they meet
+    meet = (gpu_ms + window_ms) / (gpu_ms + host_ms) if gpu_ms + host_ms > 0 else 1.0
+    candidates = sorted({floor, 1.0, min(max(meet, floor), 1.0)})
+    best = min(candidates, key=lambda f: (round(step_ms(f), 9), -f))
     reason = (
         f"state {need / 2**30:.2f} GiB vs {free_device_bytes / 2**30:.2f} GiB free on the GPU "
-        f"(offload at least {floor:.3f}); CPU update + copies {host_ms:.1f} ms, GPU update "
-        f"{gpu_ms:.1f} ms, backward {backward_ms:.1f} ms: step ~{step_ms(best):.1f} ms at "
-        f"fraction {best:.3f}"
+        f"(offload at least {floor:.3f}); CPU update + copies {host_ms:.1f} ms (headroom "
+        f"{headroom:g}), GPU update {gpu_ms:.1f} ms, window {window_ms:.1f} ms: optimizer time "
+        f"~{step_ms(best):.1f} ms at fraction {best:.3f} vs {gpu_ms:.1f} ms without offload"
     )
     return best, reason
