@@ -1,7 +1,9 @@
 """shardopt's import graph, computed from the sources (every module parsed with ast, imports inside
 functions included): no cycle, no module over 500 lines (shardopt/reference.py excepted:
-docs/testing.md says why), the kernel layer imports nothing above it, and zero/ does not import
-checkpoint/ (checkpoint/ calls zero's public state I/O, never the reverse)."""
+docs/testing.md says why), the kernel layer imports nothing above it, the algorithms (one
+definition each, shared by the single-process and the ZeRO classes) import only the kernel layer
+below them, and zero/ does not import checkpoint/ (checkpoint/ calls zero's public state I/O,
+never the reverse)."""
 
 from __future__ import annotations
 
@@ -150,10 +152,26 @@ def test_no_module_over_500_lines():
 
 
 def test_the_kernel_layer_imports_nothing_above_it():
-    above = ("shardopt.optimizers", "shardopt.zero", "shardopt.checkpoint", "shardopt.integrations")
+    above = (
+        "shardopt.algorithms",
+        "shardopt.optimizers",
+        "shardopt.zero",
+        "shardopt.checkpoint",
+        "shardopt.integrations",
+    )
     for name, deps in GRAPH.items():
         if name.startswith("shardopt.kernels"):
             bad = {d for d in deps if d.startswith(above) or d == "shardopt"}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_the_algorithms_import_only_the_kernel_layer():
+    """shardopt/algorithms/ sits between the kernels and both class families: it may import
+    shardopt.kernels and itself, nothing of optimizers/, zero/ or above."""
+    assert "shardopt.kernels" in GRAPH["shardopt.algorithms.adam"]  # the rule sees the edges
+    for name, deps in GRAPH.items():
+        if name.startswith("shardopt.algorithms"):
+            bad = {d for d in deps if not d.startswith(("shardopt.kernels", "shardopt.algorithms"))}
             assert not bad, f"{name} imports {sorted(bad)}"
 
 

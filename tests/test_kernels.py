@@ -278,7 +278,8 @@ def _exact_sqrt(t: torch.Tensor) -> torch.Tensor:
 
 
 def _clip_factor(total_sq, max_grad_norm, inv_scale=None):
-    """LAMB's clip factor (lamb.clip_scale's fp32 torch ops) from an exactly rounded norm."""
+    """LAMB's clip factor (the kernel's lamb::clip_scale as fp32 torch ops) from an exactly
+    rounded norm."""
     norm = _exact_sqrt(total_sq.reshape(1))
     if inv_scale is not None:
         norm = norm * inv_scale
@@ -354,7 +355,7 @@ def test_novograd_step_equals_norm_blend_and_update(
     """novograd_step (one call) gives the bits of the three steps it fuses: kernels.norm, the blend
     of blend_second_moment (torch ops) and kernels.novograd, with some params on their first update;
     the second moments come back in place."""
-    from shardopt.optimizers.novograd import blend_second_moment
+    from shardopt.algorithms.novograd import blend_second_moment
 
     skip_unsupported(param_dtype, device)
     lists = _novograd_lists(device, grad_dtype, param_dtype)

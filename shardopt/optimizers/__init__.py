@@ -1,4 +1,4 @@
-"""Single-process fused optimizers, one module per algorithm (each also exports its update rule)."""
+"""Single-process fused optimizers, one module per algorithm (definitions: shardopt/algorithms/)."""
 
 from shardopt.optimizers.adagrad import FusedAdagrad
 from shardopt.optimizers.adam import FusedAdam

@@ -1,40 +1,20 @@
-"""Adagrad: the update rule and ``FusedAdagrad`` (drop-in for apex.optimizers.FusedAdagrad).
+"""``FusedAdagrad`` (drop-in for apex.optimizers.FusedAdagrad): Adagrad on the single-process
+machinery.
 
-The math is ``csrc/optim/adagrad_math.h``; ``adagrad_apply`` is shared by ``FusedAdagrad`` and
-``DistributedFusedAdagrad``.
+The algorithm (hyperparameters, defaults, checks, the kernel call) is
+shardopt/algorithms/adagrad.py, shared with ``DistributedFusedAdagrad``; the math is
+``csrc/optim/adagrad_math.h``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-import torch
+from shardopt.algorithms import adagrad
+from shardopt.algorithms.validation import check_torch_flags
+from shardopt.optimizers.fused_optimizer import FusedOptimizer, maximize_scale
 
-from shardopt import kernels as _ops
-from shardopt.optimizers.fused_optimizer import FusedOptimizer, check_torch_flags, maximize_scale
-
-
-def adagrad_apply(
-    group: dict,
-    grads: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-    sums: Sequence[torch.Tensor],
-    outs: Sequence[torch.Tensor] | None,
-    *,
-    lr: float,
-    as_is: bool = False,
-    **scalars: torch.Tensor | None,
-) -> None:
-    """One Adagrad update of the given tensors (one kernel launch per dtype signature)."""
-    _ops.adagrad(
-        [grads, params, sums] + ([outs] if outs is not None else []),
-        lr=lr,
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-        adagrad_w_mode=group["adagrad_w_mode"],
-        **scalars,
-        **_ops.as_is_kwargs(as_is),
-    )
+H = adagrad.Hyperparams  # the defaults below are the algorithm's
 
 
 class FusedAdagrad(FusedOptimizer):
@@ -67,37 +47,35 @@ class FusedAdagrad(FusedOptimizer):
         >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
     """
 
-    state_names = ("sum",)
+    state_names = adagrad.STATE_NAMES
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-2,
-        eps: float = 1e-10,
-        weight_decay: float = 0.0,
+        lr: float = H.lr,
+        eps: float = H.eps,
+        weight_decay: float = H.weight_decay,
         set_grad_none: bool = True,
-        adagrad_w_mode: bool = False,
+        adagrad_w_mode: bool = H.adagrad_w_mode,
         *,
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
         differentiable: bool = False,
     ) -> None:
+        hyper = adagrad.Hyperparams(
+            lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode
+        )
         check_torch_flags(
-            "FusedAdagrad",
+            type(self).__name__,
             maximize=maximize,
             foreach=foreach,
             fused=fused,
             differentiable=differentiable,
         )
-        defaults = dict(
-            lr=lr,
-            eps=eps,
-            weight_decay=weight_decay,
-            adagrad_w_mode=adagrad_w_mode,
-            maximize=maximize,
+        super().__init__(
+            params, hyper, set_grad_none=set_grad_none, extra_defaults={"maximize": maximize}
         )
-        super().__init__(params, defaults, set_grad_none=set_grad_none)
 
     def _group_tensors(self, group: dict, params: list) -> tuple:
         return params, *self._state_tensors(params)
@@ -105,13 +83,4 @@ class FusedAdagrad(FusedOptimizer):
     def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
         params, sums = tensors
         scalars = maximize_scale(group, grads[0].device)
-        adagrad_apply(
-            group,
-            grads,
-            params,
-            sums,
-            None,
-            as_is=as_is,
-            **self._lr_args(group, grads[0].device),
-            **scalars,
-        )
+        adagrad.update(group, grads, params, sums, None, lr=group["lr"], as_is=as_is, **scalars)

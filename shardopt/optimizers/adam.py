@@ -1,55 +1,21 @@
-"""Adam / AdamW: the update rule and ``FusedAdam`` (drop-in for apex.optimizers.FusedAdam).
+"""``FusedAdam`` (drop-in for apex.optimizers.FusedAdam): Adam / AdamW on the single-process
+machinery.
 
-The math is ``csrc/optim/adam_math.h``; ``adam_apply`` is the one call into it, shared by
-``FusedAdam`` and ``DistributedFusedAdam``.
+The algorithm (hyperparameters, defaults, checks, the kernel call) is shardopt/algorithms/adam.py,
+shared with ``DistributedFusedAdam``; the math is ``csrc/optim/adam_math.h``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
-from shardopt import kernels as _ops
-from shardopt.optimizers.fused_optimizer import (
-    FusedOptimizer,
-    check_torch_flags,
-    maximize_scale,
-    reject_amsgrad,
-)
+from shardopt.algorithms import adam
+from shardopt.algorithms.validation import check_torch_flags
+from shardopt.optimizers.fused_optimizer import FusedOptimizer, maximize_scale
 
-STATE_NAMES = ("exp_avg", "exp_avg_sq")
-
-
-def adam_apply(
-    group: dict,
-    grads: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-    exp_avg: Sequence[torch.Tensor],
-    exp_avg_sq: Sequence[torch.Tensor],
-    outs: Sequence[torch.Tensor] | None,
-    *,
-    step: int,
-    lr: float,
-    as_is: bool = False,
-    **scalars: torch.Tensor | None,
-) -> None:
-    """One Adam update of the given tensors with ``group``'s hyperparameters (one kernel launch;
-    ``as_is``: see Note: lists passed as they are, shardopt/kernels/dispatch.py)."""
-    beta1, beta2 = group["betas"]
-    _ops.adam(
-        [grads, params, exp_avg, exp_avg_sq] + ([outs] if outs is not None else []),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        step=step,
-        adam_w_mode=group["adam_w_mode"],
-        bias_correction=group["bias_correction"],
-        weight_decay=group["weight_decay"],
-        **scalars,
-        **_ops.as_is_kwargs(as_is),
-    )
+H = adam.Hyperparams  # the defaults below are the algorithm's
 
 
 class FusedAdam(FusedOptimizer):
@@ -90,18 +56,18 @@ class FusedAdam(FusedOptimizer):
         >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
     """
 
-    state_names = STATE_NAMES
+    state_names = adam.STATE_NAMES
 
     def __init__(
         self,
         params: Iterable,
-        lr: float | torch.Tensor = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        adam_w_mode: bool = True,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
+        lr: float | torch.Tensor = H.lr,
+        bias_correction: bool = H.bias_correction,
+        betas: tuple[float, float] = H.betas,
+        eps: float = H.eps,
+        adam_w_mode: bool = H.adam_w_mode,
+        weight_decay: float = H.weight_decay,
+        amsgrad: bool = H.amsgrad,
         set_grad_none: bool = True,
         capturable: bool = False,
         master_weights: bool = False,
@@ -111,29 +77,29 @@ class FusedAdam(FusedOptimizer):
         fused: bool | None = None,
         differentiable: bool = False,
     ) -> None:
-        reject_amsgrad(amsgrad, "FusedAdam")
-        check_torch_flags(
-            "FusedAdam",
-            maximize=maximize,
-            foreach=foreach,
-            fused=fused,
-            differentiable=differentiable,
-        )
-        defaults = dict(
+        hyper = adam.Hyperparams(
             lr=lr,
             bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             adam_w_mode=adam_w_mode,
             weight_decay=weight_decay,
+            amsgrad=amsgrad,
+        )
+        check_torch_flags(
+            type(self).__name__,
             maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
         )
         super().__init__(
             params,
-            defaults,
+            hyper,
             set_grad_none=set_grad_none,
             capturable=capturable,
             master_weights=master_weights,
+            extra_defaults={"maximize": maximize},
         )
 
     def _group_tensors(self, group: dict, params: list) -> tuple:
@@ -144,18 +110,11 @@ class FusedAdam(FusedOptimizer):
     def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
         math_params, outs, exp_avg, exp_avg_sq = tensors
         device = grads[0].device
-        scalars = self._device_scalars(group, device)
+        scalars = self._amp_scalars(device)
         self._unscale_grads_in_place(grads, scalars, as_is)
         scalars.update(maximize_scale(group, device))
-        adam_apply(
-            group,
-            grads,
-            math_params,
-            exp_avg,
-            exp_avg_sq,
-            outs,
-            step=self._step_scalar(group),
-            lr=self._lr_scalar(group),
-            as_is=as_is,
+        step, lr = self._step_and_lr(group, device)
+        adam.update(
+            group, grads, math_params, exp_avg, exp_avg_sq, outs, step=step, lr=lr, as_is=as_is,
             **scalars,
-        )
+        )  # fmt: skip

@@ -1,25 +1,25 @@
 """The base of every single-process fused optimizer: validation, step protocol, state dict.
 
-Subclasses implement ``_group_tensors(group, params)`` (the tensors their kernels take besides the
-grads: state, masters, outs; created on first use) and ``_apply(group, grads, tensors, as_is)``
-(the kernel calls of their update rule); the step keeps the first per group in a plan (see Note:
-step plans in step_plan.py). Everything users see in common (argument checks, the deprecated Apex
-step arguments, closures, ``zero_grad``, GradScaler hand-off, ``add_param_group``) lives here
-once, and the torch.optim-compatible state dict with its hooks in ``TorchStateDict``
-(state_dict.py). ``check_hyperparams`` and ``check_torch_flags`` are also the argument checks of
-the ZeRO classes (shardopt/zero/optimizers.py).
+Subclasses hand their algorithm's ``Hyperparams`` (shardopt/algorithms/) to ``__init__``, which
+validates them and makes the param-group defaults, and implement ``_group_tensors(group, params)``
+(the tensors their kernels take besides the grads: state, masters, outs; created on first use)
+and ``_apply(group, grads, tensors, as_is)`` (the calls of their algorithm's update); the step
+keeps the first per group in a plan (see Note: step plans in step_plan.py). Everything users see
+in common (the deprecated Apex step arguments, closures, ``zero_grad``, GradScaler hand-off,
+``add_param_group``) lives here once, and the torch.optim-compatible state dict with its hooks in
+``TorchStateDict`` (state_dict.py).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from shardopt import kernels as _ops
+from shardopt.algorithms.hyperparams import Hyperparams
+from shardopt.algorithms.step_args import device_lr
 from shardopt.optimizers.dtensor import check_param_types
 from shardopt.optimizers.masters import ParamVersions
 from shardopt.optimizers.state_dict import TorchStateDict
@@ -56,116 +56,12 @@ def check_grad(p: torch.Tensor, owner: str) -> None:
         )
 
 
-def reject_amsgrad(amsgrad: bool, owner: str) -> None:
-    if amsgrad:
-        raise RuntimeError(f"{owner} does not support the AMSGrad variant.")
-
-
-# Apex's positional order puts bias_correction where torch.optim.Adam has betas.
-_APEX_ORDER = (
-    "{owner}: {arg} got {value!r}, which looks like betas. Apex's positional order is "
-    "{owner}(params, lr, {order}betas, eps, ...), unlike torch.optim.Adam(params, lr, betas, eps, "
-    "...); pass betas=... (and the other hyperparameters) by keyword"
-)
-
-
-def _value(x: Any) -> Any:
-    """A 1-element tensor hyperparameter as a Python number (read once, at construction)."""
-    if torch.is_tensor(x) and x.numel() == 1 and x.device.type != "meta":
-        return x.item()
-    return x
-
-
-def check_hyperparams(defaults: dict[str, Any], owner: str) -> None:
-    """torch.optim's constructor checks, with its messages, for the hyperparameters in ``defaults``.
-
-    ValueError for lr < 0, eps < 0, a beta outside [0, 1), weight_decay < 0, momentum < 0,
-    max_grad_norm < 0 and any NaN (the comparisons are written so that NaN fails them); TypeError
-    for betas that are not a pair, a tensor lr of more than one element, and a tuple passed
-    positionally into ``bias_correction`` (Apex's argument order differs from torch's). Shared by
-    every single-process and ZeRO class.
-    """
-    bias_correction = defaults.get("bias_correction", True)
-    if isinstance(bias_correction, (tuple, list)) or torch.is_tensor(bias_correction):
-        order = "bias_correction, "
-        raise TypeError(
-            _APEX_ORDER.format(
-                owner=owner, arg="bias_correction", value=bias_correction, order=order
-            )
-        )
-    if "lr" in defaults:
-        lr = defaults["lr"]
-        if torch.is_tensor(lr) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        value = _value(lr)
-        if not isinstance(value, numbers.Real) and not torch.is_tensor(value):
-            raise TypeError(f"{owner}: lr must be a number or a 1-element tensor, got {lr!r}")
-        if isinstance(value, numbers.Real) and not 0.0 <= value:
-            raise ValueError(f"Invalid learning rate: {value}")
-    if "eps" in defaults and not 0.0 <= _value(defaults["eps"]):
-        raise ValueError(f"Invalid epsilon value: {defaults['eps']}")
-    if "betas" in defaults:
-        betas = defaults["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise TypeError(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= _value(beta) < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {_value(beta)}")
-    for name in ("weight_decay", "momentum", "max_grad_norm"):
-        if name in defaults and not 0.0 <= _value(defaults[name]):
-            raise ValueError(f"Invalid {name} value: {defaults[name]}")
-    for name, value in defaults.items():  # e.g. dampening: torch does not check it, NaN is no value
-        value = _value(value)
-        if isinstance(value, float) and math.isnan(value):
-            raise ValueError(f"Invalid {name} value: {value}")
-    if defaults.get("nesterov") and (
-        defaults.get("momentum", 0) <= 0 or defaults.get("dampening", 0) != 0
-    ):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-
-
-def check_torch_flags(
-    owner: str,
-    *,
-    maximize: bool = False,
-    foreach: bool | None = None,
-    fused: bool | None = None,
-    differentiable: bool = False,
-    maximize_supported: bool = True,
-) -> None:
-    """torch.optim's common keyword arguments.
-
-    ``foreach`` and ``fused`` are accepted and ignored (the kernels are always fused multi-tensor
-    kernels); ``differentiable=True`` is rejected (the kernels update in place, outside autograd);
-    ``maximize=True`` is rejected where the class does not implement it.
-    """
-    del foreach, fused  # no-ops: there is only the fused path
-    if differentiable:
-        raise NotImplementedError(
-            f"{owner} does not support differentiable=True: its fused kernels update the params "
-            "in place outside autograd; use a torch.optim optimizer with differentiable=True to "
-            "differentiate through the step"
-        )
-    if maximize and not maximize_supported:
-        raise NotImplementedError(
-            f"{owner} does not support maximize=True (neither does Apex's); minimize the negated "
-            "objective instead"
-        )
-
-
 def maximize_scale(group: dict, device: torch.device) -> dict[str, torch.Tensor]:
     """``grad_scale_t=-1`` for a ``maximize`` group (the kernels multiply every grad element by
     it, so the update ascends), else nothing. Made on the device: no host-to-device copy."""
     if not group.get("maximize", False):
         return {}
     return {"grad_scale_t": torch.full((1,), -1.0, dtype=torch.float32, device=device)}
-
-
-def device_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """lr as the kernels' 1-element fp32 ``lr_t`` on ``device``; a tensor lr already there is a
-    view, so writing into it (a scheduler, a captured step) changes what the kernels read."""
-    lr_t = lr if torch.is_tensor(lr) else torch.tensor(float(lr))
-    return lr_t.to(device=device, dtype=torch.float32).reshape(1)
 
 
 class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
@@ -177,14 +73,17 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable,
-        defaults: dict[str, Any],
+        hyper: Hyperparams,
         *,
         set_grad_none: bool,
         capturable: bool = False,
         master_weights: bool = False,
+        extra_defaults: dict[str, Any] | None = None,
     ) -> None:
-        check_hyperparams(defaults, type(self).__name__)
-        super().__init__(params, defaults)
+        """``hyper``: the algorithm's hyperparameters, validated here (torch.optim's checks);
+        its param-group entries and ``extra_defaults`` (e.g. ``maximize``) are the defaults."""
+        hyper.validate(type(self).__name__)
+        super().__init__(params, hyper.group_defaults() | (extra_defaults or {}))
         self.set_grad_none = set_grad_none
         self.capturable = capturable
         self.master_weights = master_weights
@@ -334,16 +233,21 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         return None if found_inf is None else found_inf.float().reshape(1)
 
-    def _device_scalars(self, group: dict, device: torch.device) -> dict[str, torch.Tensor | None]:
-        """lr_t/step_t/grad_scale_t/found_inf_t kernel arguments: all of them when capturable,
-        else only ``lr_t`` for a tensor lr (see ``_lr_args``)."""
+    def _step_and_lr(self, group: dict, device: torch.device) -> tuple[Any, Any]:
+        """The step and lr an algorithm's update takes (shardopt/algorithms/step_args.py): when
+        capturable both as device tensors (read there: no host sync, nothing baked into a captured
+        graph), else the group's host step and its lr as it is (a tensor lr is read on the
+        device)."""
+        if self.capturable:
+            return group["step"], device_lr(group["lr"], device)
+        return group["step"], group["lr"]
+
+    def _amp_scalars(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """GradScaler's inverse scale (``grad_scale_t``) and ``found_inf_t``, handed to a
+        capturable optimizer as device tensors (nothing when not capturable)."""
         if not self.capturable:
-            lr = group["lr"]
-            return {"lr_t": device_lr(lr, device)} if torch.is_tensor(lr) else {}
-        scalars = {
-            "lr_t": device_lr(group["lr"], device),
-            "step_t": group["step"].to(device=device, dtype=torch.float32).reshape(1),
-        }
+            return {}
+        scalars = {}
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = self._found_inf()
         if grad_scale is not None:
@@ -358,22 +262,6 @@ class FusedOptimizer(TorchStateDict, torch.optim.Optimizer):
         if grad_scale_t is not None:
             flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
             _ops.scale(grads, grads, flag, scale_t=grad_scale_t, as_is=as_is)
-
-    def _lr_scalar(self, group: dict) -> float:
-        """The host lr: 0 for a tensor lr, which the kernels read on the device (``lr_t``)."""
-        lr = group["lr"]
-        return 0.0 if torch.is_tensor(lr) else float(lr)
-
-    def _lr_args(self, group: dict, device: torch.device) -> dict[str, Any]:
-        """lr keyword arguments of a kernel call: a tensor lr is read on the device (no host
-        sync; under torch.compile a scheduler's new value needs no recompile), a float as is."""
-        lr = group["lr"]
-        if torch.is_tensor(lr):
-            return {"lr": 0.0, "lr_t": device_lr(lr, device)}
-        return {"lr": float(lr)}
-
-    def _step_scalar(self, group: dict) -> int:
-        return 0 if torch.is_tensor(group["step"]) else int(group["step"])
 
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype of ``p``'s per-element state (docs/spec.md "State dtypes")."""

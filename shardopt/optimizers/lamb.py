@@ -1,131 +1,28 @@
-"""LAMB: the two-stage update rule and ``FusedLAMB`` (drop-in for apex.optimizers.FusedLAMB).
+"""``FusedLAMB`` (drop-in for apex.optimizers.FusedLAMB): LAMB on the single-process machinery.
 
-The math is ``csrc/optim/lamb_math.h``. Stage 1 (moments) and stage 2 (trust ratio and apply) are
-separate calls so the per-tensor norms of the param and of the update term u can be summed across
-shards in between: ``lamb_stage1_apply`` returns per-tensor sums of squares of p and u taken in
-the moment pass, which ``DistributedFusedLAMB`` all-reduces and ``FusedLAMB`` uses as they are;
-stage 2 takes their square roots and recomputes u from p, m and v instead of storing it. With the
-grad-norm pass for clipping, a step reads and writes 44 bytes per fp32 param (40 with
-``max_grad_norm=0``). ``FusedLAMB`` hands stage 1 the grads' sum of squares and lets the kernel
-compute the clip factor, so a step is three kernel calls and no tensor op between them.
+The algorithm (hyperparameters, defaults, checks, the clipping rule, the two kernel stages) is
+shardopt/algorithms/lamb.py, shared with ``DistributedFusedLAMB``; the math is
+``csrc/optim/lamb_math.h``. With the grad-norm pass for clipping, a step reads and writes 44 bytes
+per fp32 param (40 with ``max_grad_norm=0``). ``FusedLAMB`` hands stage 1 the grads' sum of
+squares and lets the kernel compute the clip factor, so a step is three kernel calls and no tensor
+op between them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from shardopt import kernels as _ops
+from shardopt.algorithms import lamb
+from shardopt.algorithms.hyperparams import Hyperparams
+from shardopt.algorithms.validation import check_torch_flags
 from shardopt.optimizers import dtensor
-from shardopt.optimizers.fused_optimizer import (
-    FusedOptimizer,
-    check_torch_flags,
-    reject_amsgrad,
-)
+from shardopt.optimizers.fused_optimizer import FusedOptimizer
 
-STATE_NAMES = ("exp_avg", "exp_avg_sq")
-
-
-def clip_scale(
-    grad_norm: torch.Tensor, max_grad_norm: float, inv_scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The grad multiplier of LAMB's built-in clipping (docs/spec.md: no eps; 0: no clipping).
-
-    ``grad_norm`` is the norm of the unscaled grads; the result stays on the device (no sync).
-    """
-    norm = grad_norm.reshape(1)
-    if max_grad_norm > 0:
-        factor = torch.where(norm > max_grad_norm, max_grad_norm / norm, torch.ones_like(norm))
-    else:
-        factor = torch.ones_like(norm)
-    return factor if inv_scale is None else factor * inv_scale.reshape(1).to(factor.dtype)
-
-
-def lamb_stage1_apply(
-    group: dict,
-    grads: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-    exp_avg: Sequence[torch.Tensor],
-    exp_avg_sq: Sequence[torch.Tensor],
-    *,
-    step: int,
-    grad_scale_t: torch.Tensor | None,
-    grad_norm_sq_t: torch.Tensor | None = None,
-    max_grad_norm: float = 0.0,
-    as_is: bool = False,
-    **scalars: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Moments; returns per-tensor sums of squares (of params, of update terms), same pass.
-
-    ``params`` are read before the update (LAMB's ||w|| is taken before the step); the update
-    term is not stored: stage 2 recomputes it from the moments. Every grad is multiplied by
-    ``grad_scale_t`` and, given ``grad_norm_sq_t`` (the grads' sum of squares) and
-    ``max_grad_norm > 0``, by the clip factor, which the kernel computes on the device
-    (``clip_scale``'s rule and bits).
-    """
-    beta1, beta2 = group["betas"]
-    return _ops.lamb_stage1(
-        [grads, params, exp_avg, exp_avg_sq],
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        step=step,
-        bias_correction=group["bias_correction"],
-        weight_decay=group["weight_decay"],
-        grad_averaging=group["grad_averaging"],
-        adam_w_mode=group["adam_w_mode"],
-        grad_scale_t=grad_scale_t,
-        step_t=scalars.get("step_t"),
-        found_inf_t=scalars.get("found_inf_t"),
-        **(
-            {"grad_norm_sq_t": grad_norm_sq_t, "max_grad_norm": max_grad_norm}
-            if grad_norm_sq_t is not None and max_grad_norm > 0
-            else {}
-        ),
-        **_ops.as_is_kwargs(as_is),
-    )
-
-
-def lamb_stage2_apply(
-    group: dict,
-    params: Sequence[torch.Tensor],
-    exp_avg: Sequence[torch.Tensor],
-    exp_avg_sq: Sequence[torch.Tensor],
-    outs: Sequence[torch.Tensor] | None,
-    w_sq: torch.Tensor,
-    u_sq: torch.Tensor,
-    *,
-    lr: float,
-    step: int,
-    as_is: bool = False,
-    **scalars: torch.Tensor | None,
-) -> None:
-    """Trust ratio from the (fully reduced) per-tensor sums of squares, then the apply.
-
-    The kernel takes the square roots of the sums; the update term is recomputed from ``params``
-    and the moments stage 1 left, with the same ``step`` (or ``step_t``) and hyperparameters.
-    """
-    beta1, beta2 = group["betas"]
-    _ops.lamb_stage2(
-        [params, exp_avg, exp_avg_sq] + ([outs] if outs is not None else []),
-        w_sq,
-        u_sq,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        step=step,
-        bias_correction=group["bias_correction"],
-        weight_decay=group["weight_decay"],
-        adam_w_mode=group["adam_w_mode"],
-        use_nvlamb=group["use_nvlamb"],
-        lr_t=scalars.get("lr_t"),
-        step_t=scalars.get("step_t"),
-        found_inf_t=scalars.get("found_inf_t"),
-        squared=True,
-        **_ops.as_is_kwargs(as_is),
-    )
+H = lamb.Hyperparams  # the defaults below are the algorithm's
 
 
 class FusedLAMB(FusedOptimizer):
@@ -168,22 +65,22 @@ class FusedLAMB(FusedOptimizer):
         >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
     """
 
-    state_names = STATE_NAMES
+    state_names = lamb.STATE_NAMES
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        amsgrad: bool = False,
-        adam_w_mode: bool = True,
-        grad_averaging: bool = True,
+        lr: float = H.lr,
+        bias_correction: bool = H.bias_correction,
+        betas: tuple[float, float] = H.betas,
+        eps: float = H.eps,
+        weight_decay: float = H.weight_decay,
+        amsgrad: bool = H.amsgrad,
+        adam_w_mode: bool = H.adam_w_mode,
+        grad_averaging: bool = H.grad_averaging,
         set_grad_none: bool = True,
-        max_grad_norm: float = 1.0,
-        use_nvlamb: bool = False,
+        max_grad_norm: float = H.max_grad_norm,
+        use_nvlamb: bool = H.use_nvlamb,
         *,
         capturable: bool = False,
         master_weights: bool = False,
@@ -192,29 +89,45 @@ class FusedLAMB(FusedOptimizer):
         fused: bool | None = None,
         differentiable: bool = False,
     ) -> None:
-        reject_amsgrad(amsgrad, type(self).__name__)
-        check_torch_flags(
-            type(self).__name__,
-            maximize=maximize,
-            foreach=foreach,
-            fused=fused,
-            differentiable=differentiable,
-            maximize_supported=False,
-        )
-        defaults = dict(
+        hyper = lamb.Hyperparams(
             lr=lr,
             bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
+            amsgrad=amsgrad,
             grad_averaging=grad_averaging,
             adam_w_mode=adam_w_mode,
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
         )
+        self._construct(
+            params,
+            hyper,
+            set_grad_none=set_grad_none,
+            capturable=capturable,
+            master_weights=master_weights,
+            flags=dict(
+                maximize=maximize, foreach=foreach, fused=fused, differentiable=differentiable
+            ),
+        )
+
+    def _construct(
+        self,
+        params: Iterable,
+        hyper: Hyperparams,
+        *,
+        set_grad_none: bool,
+        capturable: bool,
+        master_weights: bool,
+        flags: dict[str, Any],
+    ) -> None:
+        """The construction from ``hyper`` (LAMB's, or a variant's such as mixed-precision
+        LAMB's) and torch.optim's common ``flags``."""
+        check_torch_flags(type(self).__name__, maximize_supported=False, **flags)
         super().__init__(
             params,
-            defaults,
+            hyper,
             set_grad_none=set_grad_none,
             capturable=capturable,
             master_weights=master_weights,
@@ -233,7 +146,7 @@ class FusedLAMB(FusedOptimizer):
             _ops.check_param_devices(all_params, type(self).__name__)
         # max_grad_norm is read from the constructor defaults (Apex's behaviour); 0: no clipping,
         # and no pass over the grads for their norm
-        if self.defaults["max_grad_norm"] <= 0:
+        if not lamb.clips(self.defaults["max_grad_norm"]):
             return
         grads = [g for w in work for g in w.grads]
         if all(w.plan is not None and w.plan.as_is for w in work):  # plain tensors
@@ -253,40 +166,24 @@ class FusedLAMB(FusedOptimizer):
     def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
         math_params, outs, exp_avg, exp_avg_sq, sharded = tensors
         device = grads[0].device
-        scalars = self._device_scalars(group, device)
+        scalars = self._amp_scalars(device)
         grad_scale_t = scalars.pop("grad_scale_t", None)  # GradScaler's inverse scale
+        found_inf_t = scalars.get("found_inf_t")
         max_grad_norm = self.defaults["max_grad_norm"]
-        grad_norm_sq_t = self._step_tensors.get("grad_norm_sq_t") if max_grad_norm > 0 else None
+        grad_norm_sq_t = self._step_tensors.get("grad_norm_sq_t")
         if grad_norm_sq_t is not None and grad_norm_sq_t.device != device:  # groups on devices
             grad_norm_sq_t = grad_norm_sq_t.to(device)
-        step = self._step_scalar(group)
-        w_sq, u_sq = lamb_stage1_apply(
-            group,
-            grads,
-            math_params,
-            exp_avg,
-            exp_avg_sq,
-            step=step,
-            grad_scale_t=grad_scale_t,
-            grad_norm_sq_t=grad_norm_sq_t,
-            max_grad_norm=max_grad_norm,
+        step, lr = self._step_and_lr(group, device)
+        w_sq, u_sq = lamb.stage1(
+            group, grads, math_params, exp_avg, exp_avg_sq, step=step, grad_scale_t=grad_scale_t,
+            grad_norm_sq_t=grad_norm_sq_t, max_grad_norm=max_grad_norm, found_inf_t=found_inf_t,
             as_is=as_is,
-            **scalars,
-        )
+        )  # fmt: skip
         if sharded:  # ||w||, ||u|| of the full tensors
             n = len(math_params)
             both = dtensor.reduce_per_tensor(torch.cat([w_sq, u_sq]), list(math_params) * 2)
             w_sq, u_sq = both[:n], both[n:]
-        lamb_stage2_apply(
-            group,
-            math_params,
-            exp_avg,
-            exp_avg_sq,
-            outs,
-            w_sq,
-            u_sq,
-            lr=self._lr_scalar(group),
-            step=step,
-            as_is=as_is,
-            **scalars,
-        )
+        lamb.stage2(
+            group, math_params, exp_avg, exp_avg_sq, outs, w_sq, u_sq, step=step, lr=lr,
+            found_inf_t=found_inf_t, as_is=as_is,
+        )  # fmt: skip

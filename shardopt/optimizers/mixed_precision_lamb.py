@@ -2,18 +2,21 @@
 
 LAMB whose lr and step live on the device (no host sync in ``step``), with fp32 masters and fp32
 state for params of ``reduced_precision_dtype``, created at the first step; loss-scaled grads are
-unscaled inside the kernels and a found inf/nan skips the step without advancing it.
+unscaled inside the kernels and a found inf/nan skips the step without advancing it. Its
+definition is shardopt/algorithms/mixed_precision_lamb.py (LAMB's, plus ``step`` and
+``reduced_precision_dtype``).
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable
 
 import torch
 
-from shardopt.optimizers.fused_optimizer import LOW_PRECISION
+from shardopt.algorithms import mixed_precision_lamb
 from shardopt.optimizers.lamb import FusedLAMB
+
+H = mixed_precision_lamb.Hyperparams  # the defaults below are the algorithm's
 
 
 class FusedMixedPrecisionLamb(FusedLAMB):
@@ -52,40 +55,27 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
-        step: int = 0,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        amsgrad: bool = False,
-        adam_w_mode: bool = True,
-        grad_averaging: bool = True,
-        max_grad_norm: float = 1.0,
-        use_nvlamb: bool = False,
-        reduced_precision_dtype: torch.dtype | None = None,
+        lr: float = H.lr,
+        step: int = H.step,
+        bias_correction: bool = H.bias_correction,
+        betas: tuple[float, float] = H.betas,
+        eps: float = H.eps,
+        weight_decay: float = H.weight_decay,
+        amsgrad: bool = H.amsgrad,
+        adam_w_mode: bool = H.adam_w_mode,
+        grad_averaging: bool = H.grad_averaging,
+        max_grad_norm: float = H.max_grad_norm,
+        use_nvlamb: bool = H.use_nvlamb,
+        reduced_precision_dtype: torch.dtype | None = H.reduced_precision_dtype,
         *,
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
         differentiable: bool = False,
     ) -> None:
-        if reduced_precision_dtype not in (None, *LOW_PRECISION):
-            raise ValueError(
-                f"reduced_precision_dtype must be torch.float16, torch.bfloat16 or None, got "
-                f"{reduced_precision_dtype}"
-            )
-        if not isinstance(step, numbers.Real) and not torch.is_tensor(step):
-            raise TypeError(
-                f"FusedMixedPrecisionLamb: step got {step!r}, which looks like betas. Apex's "
-                "positional order is FusedMixedPrecisionLamb(params, lr, step, bias_correction, "
-                "betas, eps, ...), unlike torch.optim.Adam(params, lr, betas, eps, ...); pass "
-                "betas=... (and the other hyperparameters) by keyword"
-            )
-        self._initial_step = float(step)
-        super().__init__(
-            params,
+        hyper = mixed_precision_lamb.Hyperparams(
             lr=lr,
+            step=step,
             bias_correction=bias_correction,
             betas=betas,
             eps=eps,
@@ -95,12 +85,18 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             grad_averaging=grad_averaging,
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
+            reduced_precision_dtype=reduced_precision_dtype,
+        )
+        self._initial_step = step  # read by add_param_group, after the checks
+        self._construct(
+            params,
+            hyper,
+            set_grad_none=True,
             capturable=True,
             master_weights=reduced_precision_dtype is not None,
-            maximize=maximize,
-            foreach=foreach,
-            fused=fused,
-            differentiable=differentiable,
+            flags=dict(
+                maximize=maximize, foreach=foreach, fused=fused, differentiable=differentiable
+            ),
         )
         self.reduced_precision_dtype = reduced_precision_dtype
 
@@ -117,7 +113,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         else:
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
         constructing = not hasattr(self, "reduced_precision_dtype")
-        step = self._initial_step if constructing else 0.0
+        step = float(self._initial_step) if constructing else 0.0
         group["step"] = torch.tensor(step, dtype=torch.float32, device=device)
 
     def _after_load(self) -> None:

@@ -1,97 +1,28 @@
-"""NovoGrad: the update rule and ``FusedNovoGrad`` (drop-in for apex.optimizers.FusedNovoGrad).
+"""``FusedNovoGrad`` (drop-in for apex.optimizers.FusedNovoGrad): NovoGrad on the single-process
+machinery.
 
-The second moment is one number per tensor, kept as a norm, on a small device vector (no host
-sync). ``FusedNovoGrad`` makes one kernel call per step (``_ops.novograd_step``): the per-tensor
-grad norms, the blend of that vector in place and the per-element update
-(``csrc/optim/novograd_math.h``). ``blend_second_moment`` (the same blend as torch ops) and
-``novograd_apply`` (the update alone) serve ``DistributedFusedNovoGrad`` and DTensor params, whose
-norms are all-reduced between the two.
+The algorithm (hyperparameters, defaults, checks, the second-moment blend and dtype, the kernel
+calls) is shardopt/algorithms/novograd.py, shared with ``DistributedFusedNovoGrad``; the math is
+``csrc/optim/novograd_math.h``. The second moment is one number per tensor, kept as a norm, on a
+small device vector (no host sync). ``FusedNovoGrad`` makes one kernel call per step
+(``novograd.fused_step``): the per-tensor grad norms, the blend of that vector in place and the
+per-element update. DTensor params all-reduce the norms first, then blend with
+``novograd.blend_second_moment`` and update with ``novograd.update``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
 from shardopt import kernels as _ops
+from shardopt.algorithms import novograd
+from shardopt.algorithms.validation import check_torch_flags
 from shardopt.optimizers import dtensor
-from shardopt.optimizers.fused_optimizer import (
-    FusedOptimizer,
-    acc_dtype,
-    check_torch_flags,
-    reject_amsgrad,
-)
+from shardopt.optimizers.fused_optimizer import FusedOptimizer
 
-
-def check_norm_type(norm_type: int) -> None:
-    if norm_type not in (0, 2):
-        raise RuntimeError(
-            f"FusedNovoGrad only supports norm_type 2 (L2) and 0 (infinity norm), got {norm_type}"
-        )
-
-
-def grad_norms(norm_type: int, sq_or_max: torch.Tensor) -> torch.Tensor:
-    """Per-tensor grad norms from the norm kernel's per-tensor output."""
-    return sq_or_max.sqrt() if norm_type == 2 else sq_or_max
-
-
-def blend_second_moment(
-    v: torch.Tensor,
-    n: torch.Tensor,
-    fresh: torch.Tensor | None,
-    *,
-    beta2: float,
-    norm_type: int,
-    init_zero: bool,
-) -> torch.Tensor:
-    """New second moments from the old ``v``, grad norms ``n`` and the mask of first updates
-    (None: no first update)."""
-    v = v.to(n.dtype)
-    if norm_type == 2:
-        blended = torch.sqrt(beta2 * v * v + (1 - beta2) * n * n)
-    else:
-        blended = beta2 * v + (1 - beta2) * n
-    if fresh is None:
-        return blended
-    if init_zero:
-        start = math.sqrt(1 - beta2) * n if norm_type == 2 else (1 - beta2) * n
-    else:
-        start = n
-    return torch.where(fresh, start, blended)
-
-
-def novograd_apply(
-    group: dict,
-    grads: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-    exp_avg: Sequence[torch.Tensor],
-    outs: Sequence[torch.Tensor] | None,
-    v: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    as_is: bool = False,
-    **scalars: torch.Tensor | None,
-) -> None:
-    """One NovoGrad update given the blended per-tensor second moments ``v``."""
-    beta1, beta2 = group["betas"]
-    _ops.novograd(
-        [grads, params, exp_avg] + ([outs] if outs is not None else []),
-        v,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        step=step,
-        bias_correction=group["bias_correction"],
-        weight_decay=group["weight_decay"],
-        grad_averaging=group["grad_averaging"],
-        moment_mode=0 if group["reg_inside_moment"] else 1,
-        **scalars,
-        **_ops.as_is_kwargs(as_is),
-    )
+H = novograd.Hyperparams  # the defaults below are the algorithm's
 
 
 class FusedNovoGrad(FusedOptimizer):
@@ -131,21 +62,21 @@ class FusedNovoGrad(FusedOptimizer):
         >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
     """
 
-    state_names = ("exp_avg",)
+    state_names = novograd.STATE_NAMES
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        reg_inside_moment: bool = False,
-        grad_averaging: bool = True,
-        norm_type: int = 2,
-        init_zero: bool = False,
+        lr: float = H.lr,
+        bias_correction: bool = H.bias_correction,
+        betas: tuple[float, float] = H.betas,
+        eps: float = H.eps,
+        weight_decay: float = H.weight_decay,
+        amsgrad: bool = H.amsgrad,
+        reg_inside_moment: bool = H.reg_inside_moment,
+        grad_averaging: bool = H.grad_averaging,
+        norm_type: int = H.norm_type,
+        init_zero: bool = H.init_zero,
         set_grad_none: bool = True,
         *,
         maximize: bool = False,
@@ -153,28 +84,27 @@ class FusedNovoGrad(FusedOptimizer):
         fused: bool | None = None,
         differentiable: bool = False,
     ) -> None:
-        reject_amsgrad(amsgrad, "FusedNovoGrad")
+        hyper = novograd.Hyperparams(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            grad_averaging=grad_averaging,
+            reg_inside_moment=reg_inside_moment,
+            norm_type=norm_type,
+            init_zero=init_zero,
+        )
         check_torch_flags(
-            "FusedNovoGrad",
+            type(self).__name__,
             maximize=maximize,
             foreach=foreach,
             fused=fused,
             differentiable=differentiable,
             maximize_supported=False,
         )
-        check_norm_type(norm_type)
-        defaults = dict(
-            lr=lr,
-            bias_correction=bias_correction,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            grad_averaging=grad_averaging,
-            reg_inside_moment=reg_inside_moment,
-            norm_type=norm_type,
-            init_zero=init_zero,
-        )
-        super().__init__(params, defaults, set_grad_none=set_grad_none)
+        super().__init__(params, hyper, set_grad_none=set_grad_none)
 
     def _plan_key(self, group: dict) -> int | None:
         second = group.get("exp_avg_sq")
@@ -209,24 +139,8 @@ class FusedNovoGrad(FusedOptimizer):
             return
         second = group["exp_avg_sq"]
         v = second if pos is None else second.index_select(0, pos)
-        beta1, beta2 = group["betas"]
-        _ops.novograd_step(
-            [grads, params, exp_avg],
-            v,
-            fresh,
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            step=self._step_scalar(group),
-            bias_correction=group["bias_correction"],
-            weight_decay=group["weight_decay"],
-            grad_averaging=group["grad_averaging"],
-            moment_mode=0 if group["reg_inside_moment"] else 1,
-            norm_type=group["norm_type"],
-            init_zero=group["init_zero"],
-            **self._lr_args(group, grads[0].device),
-            **_ops.as_is_kwargs(as_is),
-        )
+        step, lr = self._step_and_lr(group, grads[0].device)
+        novograd.fused_step(group, grads, params, exp_avg, v, fresh, step=step, lr=lr, as_is=as_is)
         if pos is not None:  # the kernel blended a copy of the group's entries
             second.index_copy_(0, pos, v)
 
@@ -238,9 +152,9 @@ class FusedNovoGrad(FusedOptimizer):
         max_norm = group["norm_type"] == 0
         _, per = _ops.norm(grads, max_norm=max_norm, as_is=as_is)
         per = dtensor.reduce_per_tensor(per, grads, "max" if max_norm else "sum")
-        n = grad_norms(group["norm_type"], per.to(device))
+        n = novograd.grad_norms(group["norm_type"], per.to(device))
         second = group["exp_avg_sq"]
-        v = blend_second_moment(
+        v = novograd.blend_second_moment(
             second if pos is None else second.index_select(0, pos),
             n,
             fresh,
@@ -248,17 +162,8 @@ class FusedNovoGrad(FusedOptimizer):
             norm_type=group["norm_type"],
             init_zero=group["init_zero"],
         )
-        novograd_apply(
-            group,
-            grads,
-            params,
-            exp_avg,
-            None,
-            v,
-            step=self._step_scalar(group),
-            as_is=as_is,
-            **self._lr_args(group, grads[0].device),
-        )
+        step, lr = self._step_and_lr(group, device)
+        novograd.update(group, grads, params, exp_avg, None, v, step=step, lr=lr, as_is=as_is)
         # stored after the kernel, which checks its lists first: a refused step changes nothing
         if pos is None:
             second.copy_(v)
@@ -274,9 +179,6 @@ class FusedNovoGrad(FusedOptimizer):
 
 
 def _second_moment_dtype(params: list) -> torch.dtype:
-    """fp64 when the group has an fp64 param, else fp32 (``acc_dtype`` over the group)."""
-    return (
-        torch.float64
-        if any(acc_dtype(p.dtype) == torch.float64 for p in params)
-        else (torch.float32)
-    )
+    """The algorithm's rule (``novograd.second_moment_dtype``) over the group's params, which the
+    math updates directly (no masters): fp64 for an fp64 param, else fp32."""
+    return novograd.second_moment_dtype(p.dtype for p in params)

@@ -1,54 +1,21 @@
-"""SGD with momentum: the update rule and ``FusedSGD`` (drop-in for apex.optimizers.FusedSGD).
+"""``FusedSGD`` (drop-in for apex.optimizers.FusedSGD): SGD with momentum on the single-process
+machinery.
 
-The math is ``csrc/optim/sgd_math.h``; ``sgd_apply`` is shared by ``FusedSGD`` and
-``DistributedFusedSGD``.
+The algorithm (hyperparameters, defaults, checks, the kernel call) is shardopt/algorithms/sgd.py,
+shared with ``DistributedFusedSGD``; the math is ``csrc/optim/sgd_math.h``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
-from shardopt import kernels as _ops
-from shardopt.optimizers.fused_optimizer import FusedOptimizer, check_torch_flags
+from shardopt.algorithms import sgd
+from shardopt.algorithms.validation import check_torch_flags
+from shardopt.optimizers.fused_optimizer import FusedOptimizer
 
-_REQUIRED = object()
-
-
-def sgd_apply(
-    group: dict,
-    grads: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-    momentum_buffers: Sequence[torch.Tensor],
-    outs: Sequence[torch.Tensor] | None,
-    *,
-    first_run: bool,
-    lr: float,
-    scale: float = 1.0,
-    as_is: bool = False,
-    **scalars: torch.Tensor | None,
-) -> None:
-    """One SGD update; ``first_run`` initialises the momentum buffers to the grad (torch's rule)."""
-    _ops.sgd(
-        [grads, params, momentum_buffers] + ([outs] if outs is not None else []),
-        lr=lr,
-        momentum=group["momentum"],
-        dampening=group["dampening"],
-        weight_decay=group["weight_decay"],
-        nesterov=group["nesterov"],
-        first_run=first_run,
-        wd_after_momentum=group["wd_after_momentum"],
-        scale=scale,
-        **scalars,
-        **_ops.as_is_kwargs(as_is),
-    )
-
-
-def check_sgd_lr(lr, owner: str) -> None:
-    """lr is required, as in torch.optim.SGD (the other checks are ``check_hyperparams``)."""
-    if lr is _REQUIRED:
-        raise TypeError(f"{owner}.__init__() missing 1 required positional argument: 'lr'")
+H = sgd.Hyperparams  # the defaults below are the algorithm's
 
 
 class FusedSGD(FusedOptimizer):
@@ -85,17 +52,17 @@ class FusedSGD(FusedOptimizer):
         >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
     """
 
-    state_names = ("momentum_buffer",)
+    state_names = sgd.STATE_NAMES
 
     def __init__(
         self,
         params: Iterable,
-        lr: float | torch.Tensor = _REQUIRED,  # type: ignore[assignment]
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        wd_after_momentum: bool = False,
+        lr: float | torch.Tensor = H.lr,
+        momentum: float = H.momentum,
+        dampening: float = H.dampening,
+        weight_decay: float = H.weight_decay,
+        nesterov: bool = H.nesterov,
+        wd_after_momentum: bool = H.wd_after_momentum,
         materialize_master_grads: bool = True,
         set_grad_none: bool = False,
         *,
@@ -104,25 +71,25 @@ class FusedSGD(FusedOptimizer):
         fused: bool | None = None,
         differentiable: bool = False,
     ) -> None:
-        check_sgd_lr(lr, "FusedSGD")
-        check_torch_flags(
-            "FusedSGD",
-            maximize=maximize,
-            foreach=foreach,
-            fused=fused,
-            differentiable=differentiable,
-        )
-        defaults = dict(
+        hyper = sgd.Hyperparams(
             lr=lr,
             momentum=momentum,
             dampening=dampening,
             weight_decay=weight_decay,
             nesterov=nesterov,
             wd_after_momentum=wd_after_momentum,
+        )
+        check_torch_flags(
+            type(self).__name__,
             maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
         )
         self.materialize_master_grads = materialize_master_grads
-        super().__init__(params, defaults, set_grad_none=set_grad_none)
+        super().__init__(
+            params, hyper, set_grad_none=set_grad_none, extra_defaults={"maximize": maximize}
+        )
 
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The param's dtype, as torch.optim.SGD and Apex's FusedSGD keep the momentum buffer; for
@@ -158,14 +125,14 @@ class FusedSGD(FusedOptimizer):
     def _sgd(
         self, group: dict, grads: list, params: list, bufs: list, first_run: bool, as_is=False
     ) -> None:
-        sgd_apply(
+        sgd.update(
             group,
             grads,
             params,
             bufs,
             None,
             first_run=first_run,
-            **self._lr_args(group, params[0].device),
+            lr=group["lr"],
             scale=-1.0 if group.get("maximize", False) else 1.0,
             as_is=as_is,
         )

@@ -1,26 +1,22 @@
-"""The five ZeRO-sharded optimizers: thin classes that plug an update rule into the engine.
+"""The five ZeRO-sharded optimizers: thin classes that plug an algorithm into the engine.
 
-Each takes the single-process class's hyperparameters and defaults, plus the keyword-only sharding
-arguments of ``DistributedOptimizer`` (``ZERO_ARGS_DOC`` in shardopt/zero/settings.py), and calls
-the same update functions as the single-process class on this rank's flat shard.
+Each takes its algorithm's hyperparameters and defaults (shardopt/algorithms/, the definitions the
+single-process classes take too) plus the keyword-only sharding arguments of
+``DistributedOptimizer`` (``ZERO_ARGS_DOC`` in shardopt/zero/settings.py), and calls the
+algorithm's update on this rank's flat shard.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from shardopt.optimizers.adagrad import adagrad_apply
-from shardopt.optimizers.adam import adam_apply
-from shardopt.optimizers.fused_optimizer import (
-    check_hyperparams,
-    check_torch_flags,
-    reject_amsgrad,
-)
-from shardopt.optimizers.lamb import clip_scale, lamb_stage1_apply, lamb_stage2_apply
-from shardopt.optimizers.novograd import blend_second_moment, check_norm_type
-from shardopt.optimizers.sgd import _REQUIRED, check_sgd_lr, sgd_apply
+from shardopt import kernels
+from shardopt.algorithms import adagrad, adam, lamb, novograd, sgd
+from shardopt.algorithms.hyperparams import Hyperparams
+from shardopt.algorithms.validation import check_torch_flags
 from shardopt.zero import comm, state_storage
 from shardopt.zero.amp import StepScalars
 from shardopt.zero.engine import DistributedOptimizer
@@ -28,20 +24,31 @@ from shardopt.zero.engine import DistributedOptimizer
 _TORCH_FLAGS = ("maximize", "foreach", "fused", "differentiable")
 
 
-def _check_args(owner: str, defaults: dict, zero_args: dict) -> None:
-    """The single-process classes' argument checks; takes torch.optim's common flags out of
-    ``zero_args`` (the engine's keyword arguments)."""
+def _amp_args(buf: Any, scalars: StepScalars) -> dict[str, torch.Tensor | None]:
+    """The step's grad scale (averaging x inverse loss scale x clip coefficient) and overflow
+    flag where ``buf``'s update runs (on the host for an offloaded key)."""
+    return {
+        "grad_scale_t": DistributedOptimizer._to_update(buf, scalars.grad_scale_t),
+        "found_inf_t": DistributedOptimizer._to_update(buf, scalars.found_inf_t),
+    }
+
+
+def _defaults(owner: str, hyper: Hyperparams, zero_args: dict) -> dict[str, Any]:
+    """The param-group defaults of ``hyper`` after the single-process classes' checks, in their
+    order: torch.optim's common flags (taken out of ``zero_args``, the engine's keyword arguments;
+    no ZeRO class implements ``maximize``), then the algorithm's."""
     flags = {k: zero_args.pop(k) for k in _TORCH_FLAGS if k in zero_args}
     check_torch_flags(owner, maximize_supported=False, **flags)
-    check_hyperparams(defaults, owner)
+    hyper.validate(owner)
+    return hyper.group_defaults()
 
 
 class DistributedFusedAdam(DistributedOptimizer):
-    """ZeRO-sharded Adam/AdamW: ``FusedAdam``'s math on this rank's shard.
+    """ZeRO-sharded Adam/AdamW: ``FusedAdam``'s algorithm on this rank's shard.
 
     Args:
         params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad: as
-            ``FusedAdam``.
+            ``FusedAdam`` (shardopt/algorithms/adam.py).
         **zero_args: see the module's sharding arguments.
 
     Example:
@@ -49,61 +56,58 @@ class DistributedFusedAdam(DistributedOptimizer):
         >>> loss_fn(model(x)).backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
     """
 
-    state_names = ("exp_avg", "exp_avg_sq")
-    state_signed = {"exp_avg": True, "exp_avg_sq": False}
+    state_names = adam.STATE_NAMES
+    state_signed = adam.STATE_SIGNED
     compact_storage = True
     bucketwise_update = True
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        adam_w_mode: bool = True,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
+        lr: float = adam.Hyperparams.lr,
+        bias_correction: bool = adam.Hyperparams.bias_correction,
+        betas: tuple[float, float] = adam.Hyperparams.betas,
+        eps: float = adam.Hyperparams.eps,
+        adam_w_mode: bool = adam.Hyperparams.adam_w_mode,
+        weight_decay: float = adam.Hyperparams.weight_decay,
+        amsgrad: bool = adam.Hyperparams.amsgrad,
         **zero_args,
     ) -> None:
-        reject_amsgrad(amsgrad, type(self).__name__)
-        defaults = dict(
+        hyper = adam.Hyperparams(
             lr=lr,
             bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             adam_w_mode=adam_w_mode,
             weight_decay=weight_decay,
+            amsgrad=amsgrad,
         )
-        _check_args(type(self).__name__, defaults, zero_args)
-        super().__init__(params, defaults, **zero_args)
+        super().__init__(params, _defaults(type(self).__name__, hyper, zero_args), **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
         for group, buf, call in self._each_call():
             if state_storage.needs_codec(buf):
                 self._update_compact(group, buf, call, scalars)
                 continue
-            adam_apply(
+            adam.update(
                 group,
                 call.of(self._grads(buf)),
                 call.of(buf.master),
                 call.of(buf.state["exp_avg"]),
                 call.of(buf.state["exp_avg_sq"]),
                 call.outs(),
-                step=0,
-                **self._lr(group, buf),
-                **self._kernel_scalars(group, call, scalars),
+                step=call.step_t(group),
+                lr=group["lr"],
+                **_amp_args(buf, scalars),
             )
 
     def _update_compact(self, group: dict, buf, call, scalars: StepScalars) -> None:
         """One kernel call over compact storage (see Note: compact storage in
-        state_storage.py); a separate fp32 master's low-precision copy is written after it."""
-        from shardopt.kernels import compact as _compact_ops
-
+        state_storage.py) with Adam's scalar arguments; a separate fp32 master's low-precision
+        copy is written after it."""
         masters = call.of(buf.master)
         scales = [call.blocks_of(buf.scales[n]) if buf.scales else [] for n in self.state_names]
-        beta1, beta2 = group["betas"]
-        _compact_ops.adam_compact(
+        kernels.adam_compact(
             [
                 call.of(self._grads(buf)),
                 masters,
@@ -112,16 +116,11 @@ class DistributedFusedAdam(DistributedOptimizer):
                 call.of(buf.state["exp_avg_sq"]),
                 *scales,
             ],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            step=0,
-            adam_w_mode=group["adam_w_mode"],
-            bias_correction=group["bias_correction"],
-            weight_decay=group["weight_decay"],
             state_format=buf.storage.state_format,
-            **self._lr(group, buf),
-            **self._kernel_scalars(group, call, scalars),
+            **adam.kernel_args(
+                group, step=call.step_t(group), lr=group["lr"], device=buf.update_device
+            ),
+            **_amp_args(buf, scalars),
         )
         outs = call.outs()
         if outs is not None and buf.master_kind == "copy":
@@ -130,7 +129,7 @@ class DistributedFusedAdam(DistributedOptimizer):
 
 
 class DistributedFusedSGD(DistributedOptimizer):
-    """ZeRO-sharded SGD with momentum: ``FusedSGD``'s math on this rank's shard.
+    """ZeRO-sharded SGD with momentum: ``FusedSGD``'s algorithm on this rank's shard.
 
     Whether the momentum buffers were initialised (torch's first-step rule: buffer = grad) is a
     device flag, so a first step skipped by a GradScaler needs no host sync either.
@@ -141,21 +140,20 @@ class DistributedFusedSGD(DistributedOptimizer):
     #: the values before the step (offload_worker.frozen_view)
     per_step_attributes = ("_momentum_started",)
 
-    state_names = ("momentum_buffer",)
+    state_names = sgd.STATE_NAMES
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = _REQUIRED,  # type: ignore[assignment]
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        wd_after_momentum: bool = False,
+        lr: float = sgd.Hyperparams.lr,
+        momentum: float = sgd.Hyperparams.momentum,
+        dampening: float = sgd.Hyperparams.dampening,
+        weight_decay: float = sgd.Hyperparams.weight_decay,
+        nesterov: bool = sgd.Hyperparams.nesterov,
+        wd_after_momentum: bool = sgd.Hyperparams.wd_after_momentum,
         **zero_args,
     ) -> None:
-        check_sgd_lr(lr, type(self).__name__)
-        defaults = dict(
+        hyper = sgd.Hyperparams(
             lr=lr,
             momentum=momentum,
             dampening=dampening,
@@ -163,8 +161,7 @@ class DistributedFusedSGD(DistributedOptimizer):
             nesterov=nesterov,
             wd_after_momentum=wd_after_momentum,
         )
-        _check_args(type(self).__name__, defaults, zero_args)
-        super().__init__(params, defaults, **zero_args)
+        super().__init__(params, _defaults(type(self).__name__, hyper, zero_args), **zero_args)
         #: per group, 1 once the momentum buffers hold a momentum (a device flag: the first step
         #: may be skipped by a GradScaler, and reading that on the host would sync)
         self._momentum_started = [
@@ -179,7 +176,7 @@ class DistributedFusedSGD(DistributedOptimizer):
             for call in self._calls(key):
                 # params that skipped steps start their momentum at their own first update
                 first = (call.step_t(group) <= 1).float() if call.offset else first_run[gi]
-                sgd_apply(
+                sgd.update(
                     group,
                     call.of(self._grads(buf)),
                     call.of(buf.master),
@@ -187,9 +184,8 @@ class DistributedFusedSGD(DistributedOptimizer):
                     call.outs(),
                     first_run=False,
                     first_run_t=self._to_update(buf, first),
-                    **self._lr(group, buf),
-                    grad_scale_t=self._to_update(buf, scalars.grad_scale_t),
-                    found_inf_t=self._to_update(buf, scalars.found_inf_t),
+                    lr=group["lr"],
+                    **_amp_args(buf, scalars),
                 )
         for started in self._momentum_started:
             if scalars.found_inf_t is None:
@@ -206,88 +202,86 @@ class DistributedFusedSGD(DistributedOptimizer):
 
 
 class DistributedFusedAdagrad(DistributedOptimizer):
-    """ZeRO-sharded Adagrad: ``FusedAdagrad``'s math on this rank's shard."""
+    """ZeRO-sharded Adagrad: ``FusedAdagrad``'s algorithm on this rank's shard."""
 
-    state_names = ("sum",)
+    state_names = adagrad.STATE_NAMES
     bucketwise_update = True
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-2,
-        eps: float = 1e-10,
-        weight_decay: float = 0.0,
-        adagrad_w_mode: bool = False,
+        lr: float = adagrad.Hyperparams.lr,
+        eps: float = adagrad.Hyperparams.eps,
+        weight_decay: float = adagrad.Hyperparams.weight_decay,
+        adagrad_w_mode: bool = adagrad.Hyperparams.adagrad_w_mode,
         **zero_args,
     ) -> None:
-        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode)
-        _check_args(type(self).__name__, defaults, zero_args)
-        super().__init__(params, defaults, **zero_args)
+        hyper = adagrad.Hyperparams(
+            lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode
+        )
+        super().__init__(params, _defaults(type(self).__name__, hyper, zero_args), **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
         for group, buf, call in self._each_call():
-            adagrad_apply(
+            adagrad.update(
                 group,
                 call.of(self._grads(buf)),
                 call.of(buf.master),
                 call.of(buf.state["sum"]),
                 call.outs(),
-                **self._lr(group, buf),
-                grad_scale_t=self._to_update(buf, scalars.grad_scale_t),
-                found_inf_t=self._to_update(buf, scalars.found_inf_t),
+                lr=group["lr"],
+                **_amp_args(buf, scalars),
             )
 
 
 class DistributedFusedLAMB(DistributedOptimizer):
-    """ZeRO-sharded LAMB: ``FusedLAMB``'s math on this rank's shard.
+    """ZeRO-sharded LAMB: ``FusedLAMB``'s algorithm on this rank's shard.
 
-    The global grad norm is one all-reduced sum of squares (skipped when ``max_grad_norm=0``);
-    the per-tensor ||w|| and ||u|| are per-fragment partial sums, returned by stage 1, added per
-    param (``index_add``) and all-reduced as one vector of length 2 x #params between stage 1 and
+    The global grad norm is one all-reduced sum of squares (skipped when ``max_grad_norm=0``),
+    from which stage 1 computes the clip factor, as ``FusedLAMB``'s does; the per-tensor ||w||
+    and ||u|| are per-fragment partial sums, returned by stage 1, added per param
+    (``index_add``) and all-reduced as one vector of length 2 x #params between stage 1 and
     stage 2, which recomputes u from the stored moments.
     """
 
-    state_names = ("exp_avg", "exp_avg_sq")
+    state_names = lamb.STATE_NAMES
     needs_grad_norm = True
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        amsgrad: bool = False,
-        adam_w_mode: bool = True,
-        grad_averaging: bool = True,
-        max_grad_norm: float = 1.0,
-        use_nvlamb: bool = False,
+        lr: float = lamb.Hyperparams.lr,
+        bias_correction: bool = lamb.Hyperparams.bias_correction,
+        betas: tuple[float, float] = lamb.Hyperparams.betas,
+        eps: float = lamb.Hyperparams.eps,
+        weight_decay: float = lamb.Hyperparams.weight_decay,
+        amsgrad: bool = lamb.Hyperparams.amsgrad,
+        adam_w_mode: bool = lamb.Hyperparams.adam_w_mode,
+        grad_averaging: bool = lamb.Hyperparams.grad_averaging,
+        max_grad_norm: float = lamb.Hyperparams.max_grad_norm,
+        use_nvlamb: bool = lamb.Hyperparams.use_nvlamb,
         **zero_args,
     ) -> None:
-        reject_amsgrad(amsgrad, type(self).__name__)
-        defaults = dict(
+        hyper = lamb.Hyperparams(
             lr=lr,
             bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
+            amsgrad=amsgrad,
             grad_averaging=grad_averaging,
             adam_w_mode=adam_w_mode,
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
         )
-        _check_args(type(self).__name__, defaults, zero_args)
-        super().__init__(params, defaults, **zero_args)
+        super().__init__(params, _defaults(type(self).__name__, hyper, zero_args), **zero_args)
         # the global grad norm is only needed to clip (max_grad_norm=0: no clipping, no norm pass)
-        self.needs_grad_norm = max_grad_norm > 0
+        self.needs_grad_norm = lamb.clips(max_grad_norm)
 
     def _update(self, scalars: StepScalars) -> None:
-        grad_scale_t = scalars.grad_scale_t
         max_grad_norm = self.defaults["max_grad_norm"]
-        if max_grad_norm > 0:
-            norm = scalars.sumsq.sqrt() * grad_scale_t
-            grad_scale_t = grad_scale_t * clip_scale(norm, max_grad_norm)
+        # the sum of squares of the grads as stage 1 reads them (summed, not yet scaled)
+        grad_norm_sq_t = scalars.sumsq if lamb.clips(max_grad_norm) else None
         n = len(self.params)
         sums = torch.zeros(2 * n, dtype=torch.float32, device=self.device)
         staged = []
@@ -300,23 +294,23 @@ class DistributedFusedLAMB(DistributedOptimizer):
                 exp_avg = call.of(buf.state["exp_avg"])
                 exp_avg_sq = call.of(buf.state["exp_avg_sq"])
                 step_t = call.step_t(group)
-                w_sq, u_sq = lamb_stage1_apply(
+                w_sq, u_sq = lamb.stage1(
                     group,
                     call.of(self._grads(buf)),
                     masters,
                     exp_avg,
                     exp_avg_sq,
-                    step=0,
-                    grad_scale_t=self._to_update(buf, grad_scale_t),
-                    step_t=step_t,
-                    found_inf_t=self._to_update(buf, scalars.found_inf_t),
+                    step=step_t,
+                    grad_norm_sq_t=self._to_update(buf, grad_norm_sq_t),
+                    max_grad_norm=max_grad_norm,
+                    **_amp_args(buf, scalars),
                 )
                 sums[:n].index_add_(0, call.index, w_sq.to(self.device, torch.float32))
                 sums[n:].index_add_(0, call.index, u_sq.to(self.device, torch.float32))
                 staged.append((call, group, buf, masters, exp_avg, exp_avg_sq, step_t))
         comm.all_reduce(sums, self.process_group)
         for call, group, buf, masters, exp_avg, exp_avg_sq, step_t in staged:
-            lamb_stage2_apply(
+            lamb.stage2(
                 group,
                 masters,
                 exp_avg,
@@ -324,58 +318,70 @@ class DistributedFusedLAMB(DistributedOptimizer):
                 call.outs(),
                 self._to_update(buf, sums[:n].index_select(0, call.index)),
                 self._to_update(buf, sums[n:].index_select(0, call.index)),
-                **self._lr(group, buf),
-                step=0,
-                step_t=step_t,
+                step=step_t,
+                lr=group["lr"],
                 found_inf_t=self._to_update(buf, scalars.found_inf_t),
             )
 
 
 class DistributedFusedNovoGrad(DistributedOptimizer):
-    """ZeRO-sharded NovoGrad: ``FusedNovoGrad``'s math on this rank's shard.
+    """ZeRO-sharded NovoGrad: ``FusedNovoGrad``'s algorithm on this rank's shard.
 
     Per-tensor grad norms are per-fragment partial sums of squares (or maxima for norm_type 0)
-    combined per param and all-reduced (sum, or max) before the update.
+    combined per param and all-reduced (sum, or max) before the blend of the second moments
+    (``novograd.blend_second_moment``) and the update.
     """
 
-    state_names = ("exp_avg",)
+    state_names = novograd.STATE_NAMES
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        reg_inside_moment: bool = False,
-        grad_averaging: bool = True,
-        norm_type: int = 2,
-        init_zero: bool = False,
+        lr: float = novograd.Hyperparams.lr,
+        bias_correction: bool = novograd.Hyperparams.bias_correction,
+        betas: tuple[float, float] = novograd.Hyperparams.betas,
+        eps: float = novograd.Hyperparams.eps,
+        weight_decay: float = novograd.Hyperparams.weight_decay,
+        amsgrad: bool = novograd.Hyperparams.amsgrad,
+        reg_inside_moment: bool = novograd.Hyperparams.reg_inside_moment,
+        grad_averaging: bool = novograd.Hyperparams.grad_averaging,
+        norm_type: int = novograd.Hyperparams.norm_type,
+        init_zero: bool = novograd.Hyperparams.init_zero,
         **zero_args,
     ) -> None:
-        reject_amsgrad(amsgrad, type(self).__name__)
-        check_norm_type(norm_type)
-        defaults = dict(
+        hyper = novograd.Hyperparams(
             lr=lr,
             bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
+            amsgrad=amsgrad,
             grad_averaging=grad_averaging,
             reg_inside_moment=reg_inside_moment,
             norm_type=norm_type,
             init_zero=init_zero,
         )
-        _check_args(type(self).__name__, defaults, zero_args)
-        super().__init__(params, defaults, **zero_args)
-        self.second_moment = torch.zeros(len(self.params), dtype=torch.float32, device=self.device)
+        super().__init__(params, _defaults(type(self).__name__, hyper, zero_args), **zero_args)
+        # one entry per trainable param, in the dtype of the math: the masters, which are fp32
+        # (also for fp64 params) or the 16-bit params themselves under a 16-bit ``dtype``
+        dtype = novograd.second_moment_dtype(key.buffers.master.dtype for key in self.keys)
+        self.second_moment = torch.zeros(len(self.params), dtype=dtype, device=self.device)
+        #: the used-params mask of each key for the last set of unused params (see _used)
+        self._used_masks: tuple[frozenset[int], dict[int, torch.Tensor]] = (frozenset(), {})
+
+    def _used(self, key, unused: frozenset[int]) -> torch.Tensor:
+        """Which params of ``key`` have a grad this step (a device mask, copied to the device
+        once per set of unused params, not every step)."""
+        seen, masks = self._used_masks
+        if seen != unused:
+            seen, masks = unused, {}
+            self._used_masks = (seen, masks)
+        if key.index not in masks:
+            used = [i not in unused for i in key.layout.params]
+            masks[key.index] = torch.tensor(used, device=self.device)
+        return masks[key.index]
 
     def _update(self, scalars: StepScalars) -> None:
-        from shardopt import kernels as _ops
-        from shardopt.optimizers.novograd import novograd_apply
-
         n = len(self.params)
         sums = torch.zeros(n, dtype=torch.float32, device=self.device)
         maxes = torch.zeros(n, dtype=torch.float32, device=self.device)
@@ -386,7 +392,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             for call in calls[key.index]:
                 if not call.shard_ranges:
                     continue
-                _, per = _ops.norm(call.of(buf.grad_shard), max_norm=inf_norm)  # on the device
+                _, per = kernels.norm(call.of(buf.grad_shard), max_norm=inf_norm)  # on the device
                 per = per.to(self.device, torch.float32)
                 if inf_norm:
                     maxes.scatter_reduce_(0, call.index, per, reduce="amax")
@@ -401,14 +407,14 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
         for key in self.keys:
             group, buf = self.param_groups[key.group_index], key.buffers
             members = self._member_index(key)
-            raw = maxes if group["norm_type"] == 0 else sums.sqrt()
-            norms = raw.index_select(0, members) * scale
+            raw = maxes if group["norm_type"] == 0 else sums
+            norms = novograd.grad_norms(group["norm_type"], raw).index_select(0, members) * scale
             old = self.second_moment.index_select(0, members)
             own_step = group["step"].reshape(1)
             if offsets is not None:
                 own_step = own_step - offsets.index_select(0, members)
             fresh = (own_step == 1).expand_as(norms)
-            new = blend_second_moment(
+            new = novograd.blend_second_moment(
                 old,
                 norms,
                 fresh,
@@ -419,33 +425,40 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             if scalars.found_inf_t is not None:
                 new = torch.where(scalars.found_inf_t.bool(), old, new)
             if unused:
-                used = torch.tensor(
-                    [i not in unused for i in key.layout.params], device=self.device
-                )
-                new = torch.where(used, new, old)
+                new = torch.where(self._used(key, unused), new, old)
             self.second_moment.index_copy_(0, members, new)
             for call in calls[key.index]:
                 if not call.shard_ranges:
                     continue
-                novograd_apply(
+                novograd.update(
                     group,
                     call.of(self._grads(buf)),
                     call.of(buf.master),
                     call.of(buf.state["exp_avg"]),
                     call.outs(),
                     self._to_update(buf, self.second_moment.index_select(0, call.index)),
-                    step=0,
-                    **self._lr(group, buf),
-                    **self._kernel_scalars(group, call, scalars),
+                    step=call.step_t(group),
+                    lr=group["lr"],
+                    **_amp_args(buf, scalars),
                 )
 
-    def _extra_group_state(self, group_index: int) -> dict:
-        group = self.param_groups[group_index]
-        vec = torch.zeros(len(group["params"]), dtype=torch.float32)
-        for j, p in enumerate(group["params"]):
+    def _group_indices(self, group_index: int) -> tuple[list[int], list[int]]:
+        """(positions in the group, engine param indices) of the group's trainable params."""
+        positions, indices = [], []
+        for j, p in enumerate(self.param_groups[group_index]["params"]):
             i = self.sharded.param_index.get(id(p))
             if i is not None:
-                vec[j] = self.second_moment[i].cpu()
+                positions.append(j)
+                indices.append(i)
+        return positions, indices
+
+    def _extra_group_state(self, group_index: int) -> dict:
+        positions, indices = self._group_indices(group_index)
+        vec = torch.zeros(len(self.param_groups[group_index]["params"]), dtype=torch.float32)
+        if indices:  # one gather and one device-to-host copy
+            index = torch.tensor(indices, dtype=torch.long, device=self.device)
+            values = self.second_moment.index_select(0, index).to("cpu", torch.float32)
+            vec[torch.tensor(positions, dtype=torch.long)] = values
         return {"exp_avg_sq": vec}
 
     def _load_extra_group_state(self, group_index: int, saved_group: dict) -> None:
@@ -453,8 +466,8 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
         if vec is None:
             return
         vec = torch.as_tensor(vec, dtype=torch.float32)  # a list when read from JSON
-        group = self.param_groups[group_index]
-        for j, p in enumerate(group["params"]):
-            i = self.sharded.param_index.get(id(p))
-            if i is not None:
-                self.second_moment[i] = vec[j].to(self.device)
+        positions, indices = self._group_indices(group_index)
+        if indices:  # one host-to-device copy and one scatter
+            values = vec[torch.tensor(positions, dtype=torch.long)].to(self.device)
+            index = torch.tensor(indices, dtype=torch.long, device=self.device)
+            self.second_moment.index_copy_(0, index, values.to(self.second_moment.dtype))
