@@ -5,7 +5,7 @@
 # stage named: the build alone, TORCH_CUDA_ARCH_LIST=9.0, which DeepSpeed's op builder also
 # needs numeric; its log lands in $OUT/logs.tgz), then runs the named stages (default: all, in
 # this order):
-#   tests     tests/test_offload_cuda.py (exactness and memory under NCCL, world 1)
+#   tests     tests/offload/test_offload_cuda.py (exactness and memory under NCCL, world 1)
 #   cpu_adam  bench_cpu_adam.py, every core, 268M params (builds DeepSpeed's CPU Adam op first)
 #   bench14   bench_offload.py at 2048 x 24 (1.4B), clipping off and on
 #   bench28   bench_offload.py at 2560 x 32 (2.8B), clipping off and on
@@ -83,13 +83,13 @@ for s in "${stages[@]}"; do
     continue
   fi
   case $s in
-    tests) if [ -f tests/test_offload_cuda.py ]; then
-             timeout "$(allot 120)" python3 -m pytest tests/test_offload_cuda.py -q -p no:cacheprovider \
+    tests) if [ -f tests/offload/test_offload_cuda.py ]; then
+             timeout "$(allot 120)" python3 -m pytest tests/offload/test_offload_cuda.py -q -p no:cacheprovider \
                > "$LOG/test_offload_cuda.log" 2>&1
              grep -E "^(FAILED|ERROR)" "$LOG/test_offload_cuda.log" | head -20 | tee -a "$SUMMARY"
              tail -1 "$LOG/test_offload_cuda.log" | tee -a "$SUMMARY"
            else
-             echo "tests/test_offload_cuda.py is not in this checkout" | tee -a "$SUMMARY"
+             echo "tests/offload/test_offload_cuda.py is not in this checkout" | tee -a "$SUMMARY"
            fi ;;
     cpu_adam) # DeepSpeed's CPU Adam op, JIT-built once here (its offload contenders load this build)
               timeout "$(allot 240)" python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \

@@ -1,5 +1,6 @@
-"""The DTensor (FSDP2) cases of tests/test_dtensor.py on GPUs under NCCL:
-``torchrun --nproc-per-node N tests/nccl_dtensor.py`` (gloo on CPU when run without GPUs).
+"""The DTensor (FSDP2) cases of tests/optimizers/test_dtensor.py on GPUs under NCCL:
+``torchrun --nproc-per-node N tests/optimizers/nccl_dtensor.py`` (gloo on CPU when run without
+GPUs).
 Prints one line per case; exits non-zero if any fails."""
 
 import os
@@ -9,7 +10,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+# this folder (test_dtensor) and tests/ above it (dist_harness, which test_dtensor imports)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import test_dtensor  # noqa: E402
 
 

@@ -7,8 +7,8 @@ through ``scaler.step``, the DP-independent ``state_dict`` round trip at another
 ``store_param_remainders``, ``nccl_ub``) with the one import line changed, and checks the model
 against DDP + torch.optim.AdamW every step, as Apex's own tests do.
 
-GPUs (NCCL): ``torchrun --nproc-per-node N tests/apex_script.py`` prints PASS/FAIL per case and
-exits non-zero on a failure. CPU (gloo): tests/test_apex_compat.py runs the same cases at world
+GPUs (NCCL): ``torchrun --nproc-per-node N tests/zero/apex_script.py`` prints PASS/FAIL per case and
+exits non-zero on a failure. CPU (gloo): tests/zero/test_apex_compat.py runs the same cases at world
 sizes 2 and 3.
 """
 

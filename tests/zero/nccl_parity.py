@@ -1,4 +1,4 @@
-"""The ZeRO parity suite on GPUs: ``torchrun --nproc-per-node 2 tests/nccl_parity.py``.
+"""The ZeRO parity suite on GPUs: ``torchrun --nproc-per-node 2 tests/zero/nccl_parity.py``.
 
 Runs every case of test_zero_parity.py on CUDA tensors over NCCL (the gloo suite's twin), plus the
 CUDA-only cases below (CUDA-graph capture), and prints one line per case; exits non-zero if any
@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
+# this folder (test_zero_parity) and tests/ above it (dist_harness, which test_zero_parity imports)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 import test_zero_parity  # noqa: E402
 

@@ -88,7 +88,7 @@ def test_master_weights_track_reference_in_fp32(adam_w_mode, dtype, device):
 
 
 def test_master_weights_in_a_group_mixing_fp16_and_fp32_only_for_the_fp16_params():
-    """tests/test_accepted_tensors.py checks the values; here: who gets a master."""
+    """tests/optimizers/test_accepted_tensors.py checks the values; here: who gets a master."""
     params = [torch.randn(3, dtype=torch.float16), torch.randn(3)]
     for p in params:
         p.grad = torch.randn_like(p)

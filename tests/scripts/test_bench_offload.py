@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "launch_scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "launch_scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_cpu_adam  # noqa: E402

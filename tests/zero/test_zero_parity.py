@@ -37,7 +37,7 @@ def _grad(shape, step, micro, rank, exact=False):
 
 
 def _device() -> torch.device:
-    """CUDA under NCCL (torchrun on GPUs: tests/nccl_parity.py), else CPU."""
+    """CUDA under NCCL (torchrun on GPUs: tests/zero/nccl_parity.py), else CPU."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

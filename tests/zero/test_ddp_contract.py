@@ -815,7 +815,7 @@ def _global_step(model, opt, step, rank, world):
 
 def _hsdp_groups(rank):
     """World 4 as 2 shards x 2 replicas: shard over [0, 1] / [2, 3], replicate over [0, 2] /
-    [1, 3] (as tests/test_zero_features.py::redundant_group_hsdp)."""
+    [1, 3] (as tests/zero/test_zero_features.py::redundant_group_hsdp)."""
     shard = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replica = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     return dict(process_group=shard[rank // 2], redundant_process_group=replica[rank % 2])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "launch_scripts"
 sys.path.insert(0, str(SCRIPTS))
 

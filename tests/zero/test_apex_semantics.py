@@ -140,7 +140,7 @@ def test_apex_semantics(results, case):
     assert results[case.__name__] is None, results[case.__name__]
 
 
-# tests/apex_script.py's cases of these semantics at world 1 (test_apex_compat.py runs them at
+# tests/zero/apex_script.py's cases of these semantics at world 1 (test_apex_compat.py runs them at
 # worlds 2 and 3)
 SCRIPT_CASES = (
     "scaled_states_with_int32_sync",

@@ -36,7 +36,7 @@ from dist_harness import run_cases
 from shardopt import checkpoint
 from shardopt.zero import hsdp_groups
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "launch_scripts"
 
 STEPS, CKPT_STEP = 6, 3

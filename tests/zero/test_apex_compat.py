@@ -1,7 +1,7 @@
 """Apex DistributedFusedAdam's surface on the distributed classes: its keyword
 arguments with Apex's defaults, its methods, the groups of Apex's HSDP layout, the under-filled
 bucket warning; refused options raise NotImplementedError naming the argument. Results are
-compared with DDP + torch AdamW; tests/apex_script.py's Apex-style cases run here on gloo."""
+compared with DDP + torch AdamW; tests/zero/apex_script.py's Apex-style cases run here on gloo."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def apex_script_matches_ddp(rank, world):
 def refused_and_checked_arguments(rank, world):
     """Options whose meaning is not kept raise, naming the argument; wrong groups or devices
     are clear errors; a per-param state dtype different from the optimizer's is refused. (Apex's
-    store_param_remainders, with_scaled_states and 16-bit dtype: tests/test_compact_state.py.)"""
+    store_param_remainders, with_scaled_states and 16-bit dtype:
+    tests/zero/test_compact_state.py.)"""
     for kw, error, match in (
         (dict(nccl_ub=True), ValueError, "nccl_ub=True registers CUDA buffers"),
         (dict(pipeline_size=0), ValueError, "pipeline_size"),
@@ -156,7 +157,7 @@ def integer_param_sync(rank, world):
     wide as the params or wider (int16, int32, int64 for bf16 params) it equals gathering in
     their dtype; narrower (int16 for fp32 params) the params are the masters rounded to nearest
     to the top bytes (torch's bf16 cast), the rest zero. (Narrower for fp16 params, uint8:
-    tests/test_apex_semantics.py.)"""
+    tests/zero/test_apex_semantics.py.)"""
     models = [_model().bfloat16() for _ in range(4)]
     rounded = _model()
     sync = (None, torch.int16, torch.int32, torch.int64)
@@ -293,7 +294,7 @@ def script_results(request):
     ],
 )
 def test_apex_script_unchanged_but_for_the_import(script_results, name):
-    """tests/apex_script.py (torchrun on GPUs) on gloo: an Apex script's uses of the optimizer
+    """tests/zero/apex_script.py (torchrun on GPUs) on gloo: an Apex script's uses of the optimizer
     against DDP + AdamW."""
     assert name in script_results, sorted(script_results)
     assert script_results[name] is None, script_results[name]

@@ -19,7 +19,7 @@ from dist_harness import run_cases
 import shardopt
 
 TOL = dict(rtol=1.3e-6, atol=1e-6)
-#: where the cases run: CPU under gloo here; tests/nccl_dtensor.py sets a GPU under NCCL
+#: where the cases run: CPU under gloo here; tests/optimizers/nccl_dtensor.py sets a GPU under NCCL
 DEVICE = torch.device("cpu")
 
 

@@ -13,7 +13,7 @@ Scenarios (victim, world):
   mid_save_writer     rank 1 of 2 dies writing its rank file
   mid_save_publisher  rank 0 of 2 dies writing metadata.json (the last phase of the save)
   mid_load            rank 1 of 2 dies reading its file during checkpoint.load
-tests/test_checkpoint.py covers a rank killed after writing its rank file.
+tests/checkpoint/test_checkpoint.py covers a rank killed after writing its rank file.
 
 A collective call made on rank 0 only (``state_dict()``, ``checkpoint.save``) while the other ranks
 train on: rank 0 raises CollectiveCallError within the arrival timeout and exits, and the others

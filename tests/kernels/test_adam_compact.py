@@ -3,7 +3,7 @@
 Every (grad dtype, master mode, state format) against the fp64 reference run on the state the
 kernel decodes (state_codec), bit parity with ``_ops.adam`` for fp32 state, skipped steps, device
 scalars, unaligned views, thread counts and bad input. The codec inside the kernels:
-tests/test_state_codec_kernels.py.
+tests/kernels/test_state_codec_kernels.py.
 """
 
 import pytest

@@ -1,4 +1,4 @@
-"""The entry of the torchrun case scripts (tests/nccl_contract.py, tests/apex_script.py).
+"""The entry of the torchrun case scripts (tests/zero/nccl_contract.py, tests/zero/apex_script.py).
 
 ``run(cases)`` joins the process group torchrun describes (NCCL with one GPU per rank when CUDA
 is available, else gloo), runs every ``case(rank, world)`` in order with a barrier after each,

@@ -1,4 +1,4 @@
-"""The DDP-contract cases on GPUs: ``torchrun --nproc-per-node 2 tests/nccl_contract.py``.
+"""The DDP-contract cases on GPUs: ``torchrun --nproc-per-node 2 tests/zero/nccl_contract.py``.
 
 NCCL with overlapped grad and param sync (gloo on CPU when run without GPUs): params no rank
 computed a grad for are skipped and conditional ones averaged as DDP(find_unused_parameters=True)

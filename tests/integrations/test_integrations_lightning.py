@@ -31,8 +31,8 @@ import torch.nn as nn
 
 LR, WD, MAX_NORM = 1e-2, 0.1, 1.0
 REL = 1e-4
-ROOT = Path(__file__).resolve().parent.parent
-DOC_MARK = "<!-- tests/test_integrations_lightning.py runs the next block -->"
+ROOT = Path(__file__).resolve().parents[2]
+DOC_MARK = "<!-- tests/integrations/test_integrations_lightning.py runs the next block -->"
 
 
 # -- the torchrun side ---------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The compact Adam lists of tests/test_adam_compact.py and tests/test_state_codec_kernels.py:
-several tensors in one master mode and one state format, built and read through state_codec."""
+"""The compact Adam lists of tests/kernels/test_adam_compact.py and
+tests/kernels/test_state_codec_kernels.py: several tensors in one master mode and one state format,
+built and read through state_codec."""
 
 import torch
 
