@@ -360,6 +360,6 @@ CASES = [
 
 
 if __name__ == "__main__":
-    import torchrun_cases  # tests/, beside this script
+    import torchrun_cases  # tests/zero/, beside this script
 
     sys.exit(torchrun_cases.run(CASES))

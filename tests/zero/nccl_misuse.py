@@ -1,4 +1,4 @@
-"""Misuse across ranks on GPUs: ``torchrun --nproc-per-node 2 tests/nccl_misuse.py``.
+"""Misuse across ranks on GPUs: ``torchrun --nproc-per-node 2 tests/zero/nccl_misuse.py``.
 
 NCCL (gloo on CPU when run without GPUs), where a collective mismatch hangs instead of aborting:
 ranks out of lockstep (``zero_grad()`` between backward and ``step()`` on one rank, a skipped
@@ -6,7 +6,7 @@ ranks out of lockstep (``zero_grad()`` between backward and ``step()`` on one ra
 rank 0 only raise CollectiveCallError there within the arrival timeout (the store-based check
 works on every backend); hyperparameters that differ between ranks fail at construction.
 Prints one line per case; exits non-zero if any fails. The gloo versions:
-tests/test_lockstep.py, tests/test_misuse.py.
+tests/zero/test_lockstep.py, tests/optimizers/test_misuse.py.
 """
 
 import os
@@ -123,6 +123,6 @@ CASES = [
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import torchrun_cases  # tests/, beside this script
+    import torchrun_cases  # tests/zero/, beside this script
 
     sys.exit(torchrun_cases.run(CASES))
