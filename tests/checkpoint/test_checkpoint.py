@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from dist_harness import run_cases
+from dist_plan import plan_fixture, plan_params
 
 import shardopt
 from shardopt import checkpoint
@@ -201,33 +202,17 @@ PLAN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ[ROOT] = tmp
-        out = {}
-        try:
-            for world, cases in PLAN:
-                for name, err in run_cases(cases, world).items():
-                    out[(world, name)] = err
-            yield Path(tmp), out
-        finally:
-            os.environ.pop(ROOT, None)
+results = plan_fixture(PLAN, ROOT)
 
 
 @pytest.fixture(scope="module")
 def root(results):
-    return results[0]
+    return results.root
 
 
-@pytest.mark.parametrize(
-    "world,case",
-    [(w, c) for w, cases in PLAN for c in cases],
-    ids=lambda v: f"world{v}" if isinstance(v, int) else v.__name__,
-)
+@plan_params(PLAN)
 def test_checkpoint(results, world, case):
-    err = results[1][(world, case.__name__)]
-    assert err is None, err
+    results.check(world, case)
 
 
 def test_cli_inspect_and_consolidate(root, tmp_path):

@@ -16,14 +16,13 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from dist_harness import run_cases
+from dist_plan import plan_fixture, plan_params
 
 import shardopt
 from shardopt import checkpoint
@@ -280,28 +279,12 @@ PLAN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ[ROOT] = tmp
-        out = {}
-        try:
-            for world, cases in PLAN:
-                for name, err in run_cases(cases, world, timeout=400).items():
-                    out[(world, name)] = err
-            yield out
-        finally:
-            os.environ.pop(ROOT, None)
+results = plan_fixture(PLAN, ROOT, timeout=400)
 
 
-@pytest.mark.parametrize(
-    "world,case",
-    [(w, c) for w, cases in PLAN for c in cases],
-    ids=lambda v: f"world{v}" if isinstance(v, int) else v.__name__,
-)
+@plan_params(PLAN)
 def test_metadata(results, world, case):
-    err = results[(world, case.__name__)]
-    assert err is None, err
+    results.check(world, case)
 
 
 def test_validate_metadata_names_the_entry(tmp_path):

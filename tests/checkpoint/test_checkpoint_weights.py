@@ -11,14 +11,12 @@ loaded on gloo at worlds 1-3 (and across world sizes).
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from dist_harness import run_cases
+from dist_plan import plan_fixture, plan_params
 
 import shardopt
 from shardopt import checkpoint
@@ -176,25 +174,9 @@ PLAN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ[ROOT] = tmp
-        out = {}
-        try:
-            for world, cases in PLAN:
-                for name, err in run_cases(cases, world).items():
-                    out[(world, name)] = err
-            yield out
-        finally:
-            os.environ.pop(ROOT, None)
+results = plan_fixture(PLAN, ROOT)
 
 
-@pytest.mark.parametrize(
-    "world,case",
-    [(w, c) for w, cases in PLAN for c in cases],
-    ids=lambda v: f"world{v}" if isinstance(v, int) else v.__name__,
-)
+@plan_params(PLAN)
 def test_weights_restored(results, world, case):
-    err = results[(world, case.__name__)]
-    assert err is None, err
+    results.check(world, case)

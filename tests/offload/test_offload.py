@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import threading
 import time
 import traceback
@@ -29,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_cases
+from dist_plan import plan_fixture, plan_params
 from torch import nn
 
 import shardopt
@@ -602,28 +601,12 @@ PLAN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ[ROOT] = tmp
-        out = {}
-        try:
-            for world, cases in PLAN:
-                for name, err in run_cases(cases, world, timeout=600).items():
-                    out[(world, name)] = err
-            yield out
-        finally:
-            os.environ.pop(ROOT, None)
+results = plan_fixture(PLAN, ROOT, timeout=600)
 
 
-@pytest.mark.parametrize(
-    "world,case",
-    [(w, c) for w, cases in PLAN for c in cases],
-    ids=lambda v: f"world{v}" if isinstance(v, int) else v.__name__,
-)
+@plan_params(PLAN)
 def test_offload(results, world, case):
-    err = results[(world, case.__name__)]
-    assert err is None, err
+    results.check(world, case)
 
 
 def test_split_params_takes_the_last_registered():

@@ -19,13 +19,12 @@ shardopt/zero/state_storage.py).
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_cases
+from dist_plan import plan_fixture, plan_params
 from torch import nn
 
 import shardopt
@@ -427,25 +426,9 @@ PLAN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ[ROOT] = tmp
-        out = {}
-        try:
-            for world, cases in PLAN:
-                for name, err in run_cases(cases, world, timeout=600).items():
-                    out[(world, name)] = err
-            yield out
-        finally:
-            os.environ.pop(ROOT, None)
+results = plan_fixture(PLAN, ROOT, timeout=600)
 
 
-@pytest.mark.parametrize(
-    "world,case",
-    [(w, c) for w, cases in PLAN for c in cases],
-    ids=lambda v: f"world{v}" if isinstance(v, int) else v.__name__,
-)
+@plan_params(PLAN)
 def test_compact_state(results, world, case):
-    err = results[(world, case.__name__)]
-    assert err is None, err
+    results.check(world, case)

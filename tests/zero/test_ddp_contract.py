@@ -29,7 +29,6 @@ import errno
 import json
 import os
 import shutil
-import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_harness import run_cases
+from dist_plan import plan_fixture, plan_params
 from own_step_reference import OwnStepReference
 
 import shardopt
@@ -1485,53 +1485,21 @@ SLOW_PLAN = [
 ]
 
 
-def _run(plan) -> dict:
-    out = {}
-    for world, cases in plan:
-        got = run_cases(cases, world, timeout=400.0, pg_timeout=PG_TIMEOUT, report_hangs=True)
-        for name, err in got.items():
-            out[(world, name)] = err
-    return out
+# report_hangs: a case that breaks the process group fails alone, the cases after it still run
+RUN = dict(timeout=400.0, pg_timeout=PG_TIMEOUT, report_hangs=True)
+results = plan_fixture(PLAN, ROOT, **RUN)
+slow_results = plan_fixture(SLOW_PLAN, ROOT, name="slow_results", **RUN)
 
 
-def _results(plan):
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ[ROOT] = tmp
-        try:
-            yield _run(plan)
-        finally:
-            os.environ.pop(ROOT, None)
-
-
-@pytest.fixture(scope="module")
-def results():
-    yield from _results(PLAN)
-
-
-@pytest.fixture(scope="module")
-def slow_results():
-    yield from _results(SLOW_PLAN)
-
-
-def _id(v):
-    return f"world{v}" if isinstance(v, int) else v.__name__
-
-
-def _params(plan):
-    return [(w, c) for w, cases in plan for c in cases]
-
-
-@pytest.mark.parametrize("world,case", _params(PLAN), ids=_id)
+@plan_params(PLAN)
 def test_contract(results, world, case):
-    err = results[(world, case.__name__)]
-    assert err is None, err
+    results.check(world, case)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,case", _params(SLOW_PLAN), ids=_id)
+@plan_params(SLOW_PLAN)
 def test_contract_slow(slow_results, world, case):
-    err = slow_results[(world, case.__name__)]
-    assert err is None, err
+    slow_results.check(world, case)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="running as root: chmod 0o555 does not stop writes")
