@@ -71,6 +71,41 @@ def _loss(model, cfg, step, micro, rank):
     return nn.functional.cross_entropy(logits.reshape(-1, 11), tgt.reshape(-1))
 
 
+def _backward(opt, cfg: Config, loss, poisoned, at: tuple[int, int, int], scaler) -> None:
+    """One micro-batch's backward at ``at = (step, micro, rank)``: scaled under a scaler, an inf
+    in ``poisoned``'s grad where the config injects one, the grads synchronised on the last
+    micro-batch only unless the config accumulates with synchronised backwards."""
+    step, micro, rank = at
+    if scaler is not None:
+        loss = scaler.scale(loss)
+    hook = poison_hook(poisoned, cfg, step, micro, rank)
+    last = micro == cfg.micro - 1
+    with nullcontext() if cfg.synced or last else opt.no_sync():
+        loss.backward()
+    if hook is not None:
+        hook.remove()
+
+
+def _clip_and_step(opt, cfg: Config, scaler, scales: list[float]) -> torch.Tensor | None:
+    """The optimizer's clip_grad_norm (after unscale_ under a scaler) and step, through the
+    scaler if there is one (its new scale appended to ``scales``); returns the clip norm."""
+    norm = None
+    if cfg.clip is not None:
+        if scaler is not None:
+            scaler.unscale_(opt)
+        # the scaler named: before the first step() the optimizer cannot know it otherwise
+        # (GradScaler's public methods do not say whether unscale_ ran; docs/api.md)
+        norm = opt.clip_grad_norm(cfg.clip, grad_scaler=scaler)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    else:
+        opt.step()
+    opt.wait_param_sync()
+    return norm
+
+
 def _compare(model, ref, tol, what):
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(
@@ -103,30 +138,10 @@ def run_fp32(cfg: Config, rank: int, world: int) -> None:
             with nullcontext() if cfg.synced or last else ddp.no_sync():
                 _loss(ddp, cfg, step, micro, rank).backward()
         for micro in range(cfg.micro):
-            last = micro == cfg.micro - 1
             loss = _loss(model, cfg, step, micro, rank)
-            if scaler is not None:
-                loss = scaler.scale(loss)
-            hook = poison_hook(model.emb.weight, cfg, step, micro, rank)
-            with nullcontext() if cfg.synced or last else opt.no_sync():
-                loss.backward()
-            if hook is not None:
-                hook.remove()
+            _backward(opt, cfg, loss, model.emb.weight, (step, micro, rank), scaler)
         poisoned = cfg.poison is not None and cfg.poison[0] == step
-        norm = None
-        if cfg.clip is not None:
-            if scaler is not None:
-                scaler.unscale_(opt)
-            # the scaler named: before the first step() the optimizer cannot know it otherwise
-            # (GradScaler's public methods do not say whether unscale_ ran; docs/api.md)
-            norm = opt.clip_grad_norm(cfg.clip, grad_scaler=scaler)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-            scales.append(scaler.get_scale())
-        else:
-            opt.step()
-        opt.wait_param_sync()
+        norm = _clip_and_step(opt, cfg, scaler, scales)
         if cfg.clip is not None:
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.clip)
             if not poisoned:
@@ -209,30 +224,10 @@ def run_bf16(cfg: Config, rank: int, world: int) -> None:
     for step in range(cfg.steps):
         before = [p.detach().clone() for p in params]
         for micro in range(cfg.micro):
-            last = micro == cfg.micro - 1
             loss = sum((params[i].float() * x).sum() for i, x in _terms(cfg, step, micro, rank))
-            if scaler is not None:
-                loss = scaler.scale(loss)
-            hook = poison_hook(params[ALWAYS], cfg, step, micro, rank)
-            with nullcontext() if cfg.synced or last else opt.no_sync():
-                loss.backward()
-            if hook is not None:
-                hook.remove()
+            _backward(opt, cfg, loss, params[ALWAYS], (step, micro, rank), scaler)
         poisoned = cfg.poison is not None and cfg.poison[0] == step
-        norm = None
-        if cfg.clip is not None:
-            if scaler is not None:
-                scaler.unscale_(opt)
-            # the scaler named: before the first step() the optimizer cannot know it otherwise
-            # (GradScaler's public methods do not say whether unscale_ ran; docs/api.md)
-            norm = opt.clip_grad_norm(cfg.clip, grad_scaler=scaler)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-            scales.append(scaler.get_scale())
-        else:
-            opt.step()
-        opt.wait_param_sync()
+        norm = _clip_and_step(opt, cfg, scaler, scales)
         # the reference: grads summed over every rank's micro-batches (exact), clipped in fp32
         sums: dict[int, torch.Tensor] = {}
         for r in range(world):
