@@ -3,7 +3,8 @@ PYTHON ?= python3
 NPROC ?= 2
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# optional frameworks for tests/test_integrations_*.py (installed by default; INTEGRATIONS= skips them)
+# optional frameworks for tests/integrations/test_integrations_*.py (installed by default;
+# INTEGRATIONS= skips them)
 INTEGRATIONS ?= 1
 INTEGRATIONS_SPEC ?= "transformers>=4.57" "accelerate>=1.10" "lightning>=2.5"
 
@@ -29,7 +30,7 @@ dist-check: deps
 
 # Two torchrun "nodes" on localhost (c10d), HSDP, a resume at another layout, a restart (docs/multinode.md).
 test-multinode: setup
-	$(PYTHON) -m pytest tests/test_multinode.py -q --durations=5 $(PYTEST_ARGS)
+	$(PYTHON) -m pytest tests/zero/test_multinode.py -q --durations=5 $(PYTEST_ARGS)
 
 test-gpu:
 	$(PYTHON) -m pytest tests -q -m "cuda" $(PYTEST_ARGS)

@@ -5,7 +5,7 @@
 # stage named: the build alone, TORCH_CUDA_ARCH_LIST=9.0, which DeepSpeed's op builder also
 # needs numeric; its log lands in $OUT/logs.tgz), then runs the named stages (default: all, in
 # this order):
-#   tests     tests/test_offload_cuda.py (exactness and memory under NCCL, world 1), or the test
+#   tests     tests/offload/test_offload_cuda.py (exactness and memory under NCCL, world 1), or the test
 #             files (pytest arguments) in OFFLOAD_TESTS
 #   cpu_adam  bench_cpu_adam.py, every core, 268M params (builds DeepSpeed's CPU Adam op first)
 #   bench14   bench_offload.py at 2048 x 24 (1.4B), clipping off and on
@@ -86,7 +86,7 @@ for s in "${stages[@]}"; do
     continue
   fi
   case $s in
-    tests) read -r -a tests <<< "${OFFLOAD_TESTS:-tests/test_offload_cuda.py}"
+    tests) read -r -a tests <<< "${OFFLOAD_TESTS:-tests/offload/test_offload_cuda.py}"
            timeout "$(allot 150)" python3 -m pytest "${tests[@]}" -q -p no:cacheprovider \
              > "$LOG/test_offload_cuda.log" 2>&1
            grep -E "^(FAILED|ERROR)" "$LOG/test_offload_cuda.log" | head -20 | tee -a "$SUMMARY"

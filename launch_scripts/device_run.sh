@@ -11,7 +11,7 @@
 # py-cpuinfo pydantic msgpack psutil einops ninja --python-version 3.12 --only-binary=:all:
 # --platform manylinux2014_x86_64 -d .dswheels`, and name .dswheels in the tool's carry), quality
 # (train_gpt.py per state format; QUALITY_MODEL, QUALITY_STEPS, QUALITY_ARGS, QUALITY_TIMEOUT),
-# contract (the parity stage's tests/nccl_contract.py alone), apex (tests/apex_script.py: Apex-style scripts against DDP + AdamW, on every GPU). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
+# contract (the parity stage's tests/zero/nccl_contract.py alone), apex (tests/zero/apex_script.py: Apex-style scripts against DDP + AdamW, on every GPU). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
 # the end (the device tool returns at most 8 files).
 #   bash launch_scripts/device_run.sh tests parity kernels
 set -uo pipefail
@@ -40,11 +40,11 @@ for s in "$@"; do
   case $s in
     tests) timeout 300 python3 -m pytest tests -q -m cuda -p no:cacheprovider \
              > "$OUT/cuda_tests.log" 2>&1; grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.log" | head -20; tail -2 "$OUT/cuda_tests.log" ;;
-    parity) timeout 240 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_parity.py \
+    parity) timeout 240 torchrun --standalone --nproc-per-node "$NGPU" tests/zero/nccl_parity.py \
              > "$OUT/nccl_parity.log" 2>&1; grep -E "PASS|FAIL|passed" "$OUT/nccl_parity.log" | tail -15
-            timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_contract.py \
+            timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/zero/nccl_contract.py \
              > "$OUT/nccl_contract.log" 2>&1; grep -E "PASS|FAIL" "$OUT/nccl_contract.log" | tail -8
-            timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_dtensor.py \
+            timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/optimizers/nccl_dtensor.py \
              > "$OUT/nccl_dtensor.log" 2>&1; grep -E "PASS|FAIL" "$OUT/nccl_dtensor.log" | tail -8 ;;
     kernels) timeout 280 python3 launch_scripts/bench_kernels.py --out "$OUT/bench_kernels.json" \
              > "$OUT/bench_kernels.log" 2>&1; tail -45 "$OUT/bench_kernels.log" ;;
@@ -76,9 +76,9 @@ for s in "$@"; do
              TORCH_CUDA_ARCH_LIST=9.0 timeout 500 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
              --modes "${PEER_MODES:-compute_floor,ddp_adamw,shardopt_adam_overlap,deepspeed_zero2,ddp_adamw_compiled,shardopt_adam_compiled}" \
              --out "$OUT/bench_train_peers.json" > "$OUT/bench_train_peers.log" 2>&1; tail -14 "$OUT/bench_train_peers.log" ;;
-    contract) timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/nccl_contract.py \
+    contract) timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/zero/nccl_contract.py \
              > "$OUT/nccl_contract.log" 2>&1; grep -E "PASS|FAIL|refused" "$OUT/nccl_contract.log" | tail -8 ;;
-    apex) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" tests/apex_script.py \
+    apex) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" tests/zero/apex_script.py \
              > "$OUT/apex_script.log" 2>&1; grep -E "PASS|FAIL|refused" "$OUT/apex_script.log" | tail -8 ;;
     quality) for f in fp32 bf16 scaled_fp16 int8; do
                # QUALITY_ARGS: more train_gpt.py flags, e.g. "--batch-size 8 --block-size 512"

@@ -46,7 +46,7 @@ from scaling_inputs import BEGIN, DOC, END, MODELS, PLOT, REPO, Layout, Machine
 from scaling_report import efficiency, plot, render, write_docs
 from scaling_step import bucket_sizes, optimizer_ms, predict, queue_ahead, queue_behind, ring_ms
 
-# the model's parts, for callers of this module (tests/test_scaling_model.py)
+# the model's parts, for callers of this module (tests/scripts/test_scaling_model.py)
 __all__ = [
     "BEGIN",
     "END",

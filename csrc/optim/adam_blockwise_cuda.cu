@@ -125,7 +125,7 @@ __device__ __forceinline__ void copies_arrive(uint32_t bar) {
 // plain expression; the y of a bias correction is computed once. Outside these ranges (zeros, tiny
 // or huge moments, odd hyperparameters) the plain expression runs. On an H200 the sequences matched
 // `/` and sqrt on every fp32 of these ranges (sqrt; division by 18 bias corrections) and on 2^36
-// random operand sets; tests/test_adam_compact.py checks the kernel against correctly rounded fp32
+// random operand sets; tests/kernels/test_adam_compact.py checks the kernel against correctly rounded fp32
 // operations bit for bit.
 __device__ __forceinline__ float rcp_approx(float x) {
   float y;

@@ -1,6 +1,7 @@
 // The fp32 bit patterns of the int8 format's dynamic quantization maps, sorted ascending:
-// shardopt.state_codec.quantization_map(signed) bit for bit (tests/test_adam_compact.py checks this
-// file against it). Macros, so that each backend defines its own array (host; __constant__).
+// shardopt.state_codec.quantization_map(signed) bit for bit (tests/kernels/test_adam_compact.py
+// checks this file against it). Macros, so that each backend defines its own array (host;
+// __constant__).
 #pragma once
 
 // signed (exp_avg): -1 .. 1, 0.0 at index 127

@@ -193,7 +193,7 @@ SHARDOPT_HD S encode_v(float v) {
 // mids' magnitudes), each a lookup by the bits of |xn| (its exponent and 6 mantissa bits: 1537
 // buckets from 2^-24 to 1; every smaller |xn| is in bucket 0, which no entry reaches) giving the
 // entries below the bucket, plus kProbe comparisons with those inside it (at most 2 per bucket in
-// both maps; tests/test_adam_compact.py checks). Branch-free: the sign picks the side.
+// both maps; tests/kernels/test_adam_compact.py checks). Branch-free: the sign picks the side.
 
 constexpr int kProbe = 2;
 constexpr uint32_t kBucketFirst = 103u << 6;  // (bits >> 17) of 2^-24
@@ -288,7 +288,7 @@ SHARDOPT_HD uint8_t int8_code(float xn, const Int8Tables& t) {
 // ---- the int8 code search of the CUDA kernel: one word per bucket ------------------------------
 //
 // Buckets of |xn| by its exponent and 7 mantissa bits (bits >> 16) from 2^-24 up to 2 hold at most
-// one entry of a side in both maps (search_check; tests/test_state_codec_kernels.py checks too), so
+// one entry of a side in both maps (search_check; tests/kernels/test_state_codec_kernels.py), so
 // the count of a side's entries below |xn| is the count below the bucket plus one comparison with
 // the bucket's entry, if any, on the low 16 bits. The kernel looks up x = bits(xn) with the sign
 // folded into the other bits (x = u ^ (u >> 31), arithmetic shift: a negative xn has its magnitude

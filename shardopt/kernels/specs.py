@@ -18,8 +18,8 @@ step count stays symbolic instead of recompiling every step. From it:
   scalar: one entry per position, sliced with the positions of each call, those marked ``(a!)``
   written back).
 
-``tests/test_kernel_specs.py`` checks every spec against the C++ entry in kernels.def (names,
-order, types, defaults), that each kernel has a CPU and a CUDA implementation, and runs
+``tests/kernels/test_kernel_specs.py`` checks every spec against the C++ entry in kernels.def
+(names, order, types, defaults), that each kernel has a CPU and a CUDA implementation, and runs
 ``torch.library.opcheck`` on every op. Adding a kernel: docs/kernels.md "Adding an optimizer".
 """
 
