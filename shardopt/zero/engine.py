@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from shardopt import kernels as _ops
-from shardopt.optimizers.fused_optimizer import check_param_dtypes, device_lr
+from shardopt.optimizers.fused_optimizer import check_param_dtypes
 from shardopt.zero import (
     apex_compat,
     comm,
@@ -403,16 +403,6 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
     # -- what the update rules read --------------------------------------------------------------
 
-    def _lr(self, group: dict, buf: Any = None) -> dict[str, Any]:
-        """The kernels' lr arguments: a tensor lr (e.g. for a captured step, where a scheduler
-        writes the new value into the tensor) is read on the device, never on the host (on the
-        host for an offloaded key ``buf``)."""
-        lr = group["lr"]
-        if torch.is_tensor(lr):
-            lr_t = device_lr(lr, self.device)
-            return {"lr": 0.0, "lr_t": self._to_update(buf, lr_t)}
-        return {"lr": float(lr)}
-
     @staticmethod
     def _to_update(buf: Any, t: torch.Tensor | None) -> torch.Tensor | None:
         """``t`` where ``buf``'s update runs (the host for an offloaded key)."""
@@ -435,16 +425,6 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         per bucket chunk, or per fragment for rules with per-tensor norms (inside
         ``update_calls.within``, only those of its window)."""
         return self.update_calls.calls(key, per_tensor)
-
-    def _kernel_scalars(
-        self, group: dict, call: Call, scalars: StepScalars
-    ) -> dict[str, torch.Tensor | None]:
-        buf = call.buffers
-        return {
-            "step_t": call.step_t(group),
-            "grad_scale_t": self._to_update(buf, scalars.grad_scale_t),
-            "found_inf_t": self._to_update(buf, scalars.found_inf_t),
-        }
 
     def _member_index(self, key: Key) -> torch.Tensor:
         """Engine param indices of every param of ``key`` (device vector)."""

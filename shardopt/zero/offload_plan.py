@@ -45,7 +45,8 @@ class CPUOffload:
             size (CUDA jobs; the state itself is never pinned).
         threads: CPU threads for the update (torch intra-op threads of this process); None:
             the cores this process may use, split evenly among the local ranks
-            (``LOCAL_WORLD_SIZE``).
+            (``LOCAL_WORLD_SIZE``), less one for the rank's own thread where a rank has four or
+            more (it launches the forward and backward the update overlaps).
         staging_slots: page-locked staging buffers per direction (each the size of the largest
             bucket chunk).
         overlap_backward: start an offloaded bucket's CPU update during backward, as soon as
@@ -125,7 +126,9 @@ def resolve(owner: str, offload: object) -> CPUOffload | None:
 
 def thread_budget(threads: int | None, env: dict[str, str] | None = None) -> int:
     """CPU threads of one rank's update: ``threads``, or the usable cores split evenly among the
-    local ranks (``LOCAL_WORLD_SIZE``), so ranks of one host never oversubscribe it."""
+    local ranks (``LOCAL_WORLD_SIZE``), so ranks of one host never oversubscribe it, less one
+    where a rank has four or more: the rank's main thread keeps a core to launch the forward and
+    backward kernels the update overlaps (docs/offload.md: measured on one H200)."""
     if threads is not None:
         return threads
     env = os.environ if env is None else env
@@ -135,7 +138,8 @@ def thread_budget(threads: int | None, env: dict[str, str] | None = None) -> int
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, cores // ranks)
+    share = max(1, cores // ranks)
+    return share - 1 if share >= 4 else share
 
 
 def split_params(numels: list[int], fraction: float) -> int:

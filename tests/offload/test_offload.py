@@ -641,11 +641,12 @@ def test_plan_fraction_as_data():
 
 @pytest.mark.parametrize(
     "cores, local, want",
-    [(16, "1", 16), (16, "2", 8), (16, "4", 4), (16, "32", 1), (3, "1", 3), (2, "", 2),
-     (16, "x", 16)],
+    [(16, "1", 15), (16, "2", 7), (16, "4", 3), (16, "8", 2), (16, "32", 1), (3, "1", 3),
+     (2, "", 2), (16, "x", 15)],
 )  # fmt: skip
 def test_thread_budget_splits_the_cores(monkeypatch, cores, local, want):
-    """The cores split evenly among the local ranks (at least one thread each)."""
+    """The cores split among the local ranks, one left for the rank's launching thread where a
+    rank has four or more."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert thread_budget(3) == 3
     assert thread_budget(None, {"LOCAL_WORLD_SIZE": local} if local else {}) == want

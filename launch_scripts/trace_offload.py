@@ -1,0 +1,146 @@
+"""Timeline of one offloaded training iteration of the bench's GPT (one GPU, NCCL world 1).
+
+    PYTHONPATH=.:launch_scripts python3 launch_scripts/trace_offload.py --clip off|on
+
+Wraps the offload pipeline's methods (staging, each bucket's update, the worker's CUDA event
+waits, the main thread's waits for buckets) with host timestamps and prints, for one iteration
+after warm-up and for the next forward, each one's count, total time and first start / last end
+in ms from the iteration's start (threads: ``MainThre`` the training loop, ``shardopt`` the
+offload worker).
+"""
+
+import argparse
+import collections
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, "launch_scripts")
+from bench_offload_peers import build, model_config  # noqa: E402
+from bench_offload_worker import init_process_group  # noqa: E402
+
+import shardopt.zero.engine as eng  # noqa: E402
+import shardopt.zero.offload_pipeline as op  # noqa: E402
+import shardopt.zero.offload_worker as ow  # noqa: E402
+import shardopt.zero.optimizers as zo  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--clip", default="off")
+p.add_argument("--width", type=int, default=2048)
+p.add_argument("--depth", type=int, default=24)
+p.add_argument("--steps", type=int, default=4)
+args = p.parse_args()
+
+T0 = [0.0]
+EV = []  # (thread, name, start, end)
+ON = [False]
+
+
+def rec(name, start, end=None):
+    if ON[0]:
+        EV.append(
+            (
+                threading.current_thread().name[:8],
+                name,
+                (start - T0[0]) * 1e3,
+                ((end if end is not None else start) - T0[0]) * 1e3,
+            )
+        )
+
+
+def wrap(cls, attr, name):
+    fn = getattr(cls, attr)
+
+    def w(*a, **k):
+        s = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            rec(name, s, time.perf_counter())
+
+    setattr(cls, attr, w)
+
+
+wrap(op.OffloadPipeline, "_stage", "stage")
+wrap(op.OffloadPipeline, "_run", "job")
+wrap(zo.DistributedFusedAdam, "_update", "update")
+wrap(ow.Progress, "wait_bucket", "wait_bucket")
+wrap(ow.Progress, "wait_finished", "wait_finished")
+wrap(ow.Progress, "publish", "publish")
+wrap(torch.cuda.Event, "synchronize", "ev_sync")
+wrap(eng.DistributedOptimizer, "step", "step()")
+
+init_process_group("nccl")
+dev = torch.device("cuda", 0)
+torch.cuda.set_device(dev)
+cfg = model_config(args.width, args.depth, 50304, 2048)
+clip = args.clip == "on"
+tr = build("offload", cfg, dev, 4, False, (clip,))
+opt = tr.optimizer
+print("plan:", getattr(opt, "offload_plan", None))
+print("buckets per key:", [len(k.layout.buckets) for k in opt.keys])
+g = torch.Generator(device=dev).manual_seed(1)
+idx, tgt = (torch.randint(50304, (4, 2048), device=dev, generator=g) for _ in range(2))
+times = []
+for it in range(args.steps + 2):
+    torch.cuda.synchronize()
+    ON[0] = it == args.steps + 1
+    EV.clear() if ON[0] else None
+    T0[0] = time.perf_counter()
+    s = time.perf_counter()
+    loss = tr.forward(idx, tgt)
+    rec("forward", s, time.perf_counter())
+    s = time.perf_counter()
+    tr.backward(loss)
+    rec("backward(host)", s, time.perf_counter())
+    if clip:
+        s = time.perf_counter()
+        tr.clip(1.0)
+        rec("clip", s, time.perf_counter())
+    s = time.perf_counter()
+    tr.step()
+    rec("step+zero_grad", s, time.perf_counter())
+    # the next forward's start is where the iteration ends: time a forward-only module call
+    s = time.perf_counter()
+    torch.cuda.synchronize()
+    rec("sync", s, time.perf_counter())
+    times.append((time.perf_counter() - T0[0]) * 1e3)
+print("iteration ms (to sync after step):", [round(t, 1) for t in times])
+
+
+def report(title):
+    agg = collections.defaultdict(lambda: [0, 0.0, 1e9, -1e9])
+    for th, n, a, b in EV:
+        x = agg[(th, n)]
+        x[0] += 1
+        x[1] += b - a
+        x[2] = min(x[2], a)
+        x[3] = max(x[3], b)
+    print(title)
+    for (th, n), (c, tot, a, b) in sorted(agg.items(), key=lambda kv: kv[1][2]):
+        print(f"  {th:8s} {n:16s} n={c:4d} total={tot:8.1f} first={a:8.1f} last_end={b:8.1f}")
+    ups = [(a, b) for th, n, a, b in EV if n == "update"]
+    print(
+        "  updates (start, dur):",
+        [(round(a), round(b - a, 1)) for a, b in ups[:4]],
+        "...",
+        [(round(a), round(b - a, 1)) for a, b in ups[-4:]],
+    )
+    syn = [(round(a), round(b - a, 1)) for th, n, a, b in EV if n == "ev_sync"]
+    print("  ev_sync:", syn[:6], "...", syn[-4:])
+
+
+report("traced iteration:")
+# next iteration's forward waits for buckets: trace it too
+ON[0] = True
+T0[0] = time.perf_counter()
+EV.clear()
+s = time.perf_counter()
+loss = tr.forward(idx, tgt)
+rec("forward(next)", s, time.perf_counter())
+torch.cuda.synchronize()
+rec("sync", s, time.perf_counter())
+report("next forward (waits for the updates):")
+tr.close() if tr.close else None
