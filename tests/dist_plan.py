@@ -51,6 +51,13 @@ class PlanResults:
         err = self.errors[(world, case.__name__)]
         assert err is None, err
 
+    def check_all(self) -> Path:
+        """Fails with the first failing case's traceback unless every launch passed; the scratch
+        directory (for fixtures that hand what the plan saved to tests of their own)."""
+        for (world, name), err in self.errors.items():
+            assert err is None, f"{name} (world {world}): {err}"
+        return self.root
+
 
 def _entries(plan: Plan) -> list[tuple[int, Case]]:
     entries = [(world, case) for world, cases in plan for case in cases]

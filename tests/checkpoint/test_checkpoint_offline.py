@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_harness import run_cases
+from dist_plan import plan_fixture
 
 import shardopt
 from shardopt import checkpoint
@@ -92,18 +92,13 @@ def save_w3(rank, world):
     _save(rank, world)
 
 
+_saves = plan_fixture([(2, [save_w2]), (3, [save_w3])], ROOT, name="_saves")
+
+
 @pytest.fixture(scope="module")
-def saved():
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ[ROOT] = tmp
-        try:
-            results = run_cases([save_w2], 2)
-            results.update(run_cases([save_w3], 3))
-            for name, err in results.items():
-                assert err is None, f"{name}: {err}"
-            yield Path(tmp)
-        finally:
-            os.environ.pop(ROOT, None)
+def saved(_saves):
+    """The scratch directory the world-2 and world-3 saves wrote."""
+    return _saves.check_all()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
