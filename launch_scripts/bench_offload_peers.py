@@ -59,6 +59,12 @@ CONTENDERS = (  # in the order they run (the most telling first, when a time bud
 )
 
 
+def huge_pages() -> bool:
+    """Whether shardopt's host state goes on transparent huge pages (BENCH_OFFLOAD_HUGE_PAGES,
+    default 1: CPUOffload's default)."""
+    return os.environ.get("BENCH_OFFLOAD_HUGE_PAGES", "1") != "0"
+
+
 class Skipped(Exception):
     """The contender cannot run here; the message says why."""
 
@@ -159,12 +165,14 @@ def _shardopt(
         if not hasattr(shardopt, "CPUOffload"):
             raise Skipped("this shardopt has no CPU offload (shardopt.CPUOffload is missing)")
         # updates during backward only where the step does not clip (exact only then)
-        # BENCH_OFFLOAD_THREADS: the update's CPU threads (default: CPUOffload's, every core)
+        # BENCH_OFFLOAD_THREADS: the update's CPU threads (default: CPUOffload's);
+        # BENCH_OFFLOAD_HUGE_PAGES=0: host state on 4 KiB pages (CPUOffload(huge_pages=False))
         threads = os.environ.get("BENCH_OFFLOAD_THREADS")
         kwargs["offload"] = shardopt.CPUOffload(
             fraction=offload,
             overlap_backward=overlap_backward,
             threads=int(threads) if threads else None,
+            **({"huge_pages": False} if not huge_pages() else {}),
         )
     try:
         opt = shardopt.DistributedFusedAdam(

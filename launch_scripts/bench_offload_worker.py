@@ -37,6 +37,7 @@ from bench_offload_peers import (  # noqa: E402
     backend_for,
     build,
     count_params,
+    huge_pages,
     model_config,
     offload_record,
     preimport,
@@ -116,15 +117,22 @@ def init_process_group(backend: str) -> None:
 
 def cpu_update(n_params: int, spec: Spec) -> dict[str, Any]:
     """shardopt's CPU Adam over ``n_params`` host elements in chunks of ``spec.cpu_chunk``: fp32
-    masters and moments, bf16 grads in, bf16 params out (the cast fused into the update)."""
+    masters and moments, bf16 grads in, bf16 params out (the cast fused into the update), in host
+    memory allocated as the offload path does (on huge pages unless BENCH_OFFLOAD_HUGE_PAGES=0)."""
     from shardopt import kernels as _ops
+    from shardopt.zero import host_memory
+
+    huge = huge_pages()
+
+    def host(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return host_memory.empty(n, dtype, huge)
 
     sizes = [min(spec.cpu_chunk, n_params - i) for i in range(0, n_params, spec.cpu_chunk)]
-    grads = [torch.empty(n, dtype=torch.bfloat16).uniform_(-1e-3, 1e-3) for n in sizes]
-    masters = [torch.empty(n).uniform_(-0.05, 0.05) for n in sizes]
-    exp_avg = [torch.zeros(n) for n in sizes]
-    exp_avg_sq = [torch.zeros(n) for n in sizes]
-    outs = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    grads = [host(n, torch.bfloat16).uniform_(-1e-3, 1e-3) for n in sizes]
+    masters = [host(n).uniform_(-0.05, 0.05) for n in sizes]
+    exp_avg = [host(n).zero_() for n in sizes]
+    exp_avg_sq = [host(n).zero_() for n in sizes]
+    outs = [host(n, torch.bfloat16) for n in sizes]
     times = []
     for it in range(spec.warmup + spec.steps):
         start = time.perf_counter()
@@ -143,7 +151,11 @@ def cpu_update(n_params: int, spec: Spec) -> dict[str, Any]:
             times.append((time.perf_counter() - start) * 1e3)
     return {
         "phases": [{"clip": False, "step_ms": statistics.median(times), "times_ms": times}],
-        "settings": {"kernel": "shardopt.kernels.adam (CPU)", "chunks": len(sizes)},
+        "settings": {
+            "kernel": "shardopt.kernels.adam (CPU)",
+            "chunks": len(sizes),
+            "huge_pages": huge,
+        },
     }
 
 

@@ -14,6 +14,7 @@ Each algorithm is defined here once and used by both of its classes, the single-
 - ``validation``: torch.optim's constructor checks with its messages, shared by every algorithm.
 - ``step_args``: how a step count and an lr reach a kernel (host number or device tensor).
 
-Nothing here imports shardopt.optimizers or shardopt.zero (tests/project/test_import_graph.py checks it):
-the layer sits between those two and shardopt.kernels. Adding an algorithm: docs/kernels.md.
+Nothing here imports shardopt.optimizers or shardopt.zero (tests/project/test_import_graph.py
+checks it): the layer sits between those two and shardopt.kernels. Adding an algorithm:
+docs/kernels.md.
 """

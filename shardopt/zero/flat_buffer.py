@@ -32,6 +32,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from shardopt import state_codec
+from shardopt.zero import host_memory
 from shardopt.zero.layout import Bucket, Fragment, KeyLayout, Range
 from shardopt.zero.state_storage import Storage
 
@@ -84,6 +85,7 @@ class KeyBuffers:
         persistent_grads: bool = False,
         comm_allocating: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
         offloaded: bool = False,
+        huge_pages: bool = False,
     ) -> None:
         self.layout = layout
         #: CPU offload (host_state.py): master, state, remainder and scales live in host memory
@@ -92,6 +94,13 @@ class KeyBuffers:
         #: where the update kernels run and the state lives
         self.update_device = torch.device("cpu") if offloaded else device
         state_device = self.update_device
+
+        def full(numel: int, dtype: torch.dtype, value: int | float = 0) -> torch.Tensor:
+            """A state tensor: on the host (Note: huge pages for host state) when offloaded."""
+            if offloaded:
+                return host_memory.full(numel, dtype, value, huge_pages)
+            return torch.full((numel,), value, dtype=dtype, device=state_device)
+
         self.rank = rank
         self.device = device
         self.grad_dtype = grad_sync_dtype
@@ -110,9 +119,9 @@ class KeyBuffers:
         #: the master IS this rank's chunks of the params (updated in place, no copy)
         self.master_is_param = self.master_kind == "param"
         if self.master_kind == "copy":
-            self.master: Shard = torch.zeros(shard, dtype=torch.float32, device=state_device)
+            self.master: Shard = full(shard, torch.float32)
         elif offloaded and self.master_kind == "param":  # a host copy of the param chunks
-            self.master = torch.zeros(shard, dtype=param_dtype, device=state_device)
+            self.master = full(shard, param_dtype)
         else:
             self.master = ChunkedShard(
                 self.chunks(self.param_space), [b.shard_offset for b in layout.buckets]
@@ -125,30 +134,20 @@ class KeyBuffers:
             torch.float16,
         )
         #: the int16 low halves of the fp32 masters of a ``remainder`` key
-        self.remainder = (
-            torch.zeros(shard, dtype=torch.int16, device=state_device)
-            if self.master_kind == "remainder"
-            else None
-        )
+        self.remainder = full(shard, torch.int16) if self.master_kind == "remainder" else None
         fmt = storage.state_format
         self.state_signed = {n: True for n in state_names} | dict(state_signed or {})
         self.state = {  # zero state (codes of 0.0: the 8-bit map's zero is not code 0)
-            n: torch.full(
-                (shard,),
+            n: full(
+                shard,
+                state_codec.code_dtype(fmt),
                 state_codec.zero_code(self.state_signed[n]) if fmt == "int8" else 0,
-                dtype=state_codec.code_dtype(fmt),
-                device=state_device,
             )
             for n in state_names
         }
         #: per-block fp32 scales of blockwise formats (zero scales decode to zero)
         self.scales = (
-            {
-                n: torch.zeros(
-                    state_codec.num_blocks(shard), dtype=torch.float32, device=state_device
-                )
-                for n in state_names
-            }
+            {n: full(state_codec.num_blocks(shard), torch.float32) for n in state_names}
             if storage.blockwise
             else {}
         )

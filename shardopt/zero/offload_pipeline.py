@@ -62,7 +62,7 @@ import threading
 
 import torch
 
-from shardopt.zero import host_state
+from shardopt.zero import host_memory, host_state
 from shardopt.zero.flat_buffer import ChunkedShard
 from shardopt.zero.layout import Range
 from shardopt.zero.offload_backward import EarlyUpdates
@@ -76,10 +76,13 @@ from shardopt.zero.offload_worker import (
 
 
 class _Slots:
-    """A ring of exact-size host buffers of one dtype (page-locked on CUDA when asked)."""
+    """A ring of exact-size host buffers of one dtype (page-locked on CUDA when asked; on huge
+    pages when asked: Note: huge pages for host state in host_memory.py)."""
 
-    def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool) -> None:
-        self.buffers = [torch.empty(numel, dtype=dtype) for _ in range(count)]
+    def __init__(
+        self, count: int, numel: int, dtype: torch.dtype, pin: bool, huge_pages: bool = False
+    ) -> None:
+        self.buffers = [host_memory.empty(numel, dtype, huge_pages) for _ in range(count)]
         self.events: list[torch.cuda.Event | None] = [None] * count
         self.pinned = False
         if pin:
@@ -118,7 +121,13 @@ class OffloadPipeline:
     """The staging slots and copy streams of one optimizer's offloaded keys."""
 
     def __init__(
-        self, keys: list, device: torch.device, slots: int, pin: bool, overlap_backward=False
+        self,
+        keys: list,
+        device: torch.device,
+        slots: int,
+        pin: bool,
+        overlap_backward=False,
+        huge_pages: bool = False,
     ) -> None:
         self.cuda = device.type == "cuda"
         pin = pin and self.cuda
@@ -130,12 +139,16 @@ class OffloadPipeline:
         for key in keys:
             buf = key.buffers
             numel = max((b.chunk_numel for b in key.layout.buckets), default=0)
-            self.grad_slots[key.index] = _Slots(slots, numel, buf.grad_dtype, pin)
+
+            def ring(dtype: torch.dtype, numel: int = numel) -> _Slots:
+                return _Slots(slots, numel, dtype, pin, huge_pages)
+
+            self.grad_slots[key.index] = ring(buf.grad_dtype)
             out_dtype = buf.sync_space.dtype if buf.master_kind == "copy" else None
             if out_dtype is not None and not buf.out_by_copy:
-                self.out_slots[key.index] = _Slots(slots, numel, out_dtype, pin)
+                self.out_slots[key.index] = ring(out_dtype)
             if buf.master_kind == "remainder":  # the bf16 half of the masters, down and up
-                self.param_slots[key.index] = _Slots(slots, numel, buf.param_space.dtype, pin)
+                self.param_slots[key.index] = ring(buf.param_space.dtype)
         #: the thread that runs the offloaded updates (started by the first step)
         self.worker = OffloadWorker(device)
         #: the updates that start during backward (offload_backward.py)
@@ -159,6 +172,7 @@ class OffloadPipeline:
             settings.staging_slots,
             settings.pin_memory,
             settings.overlap_backward if optimizer.redundant_process_group is None else False,
+            settings.huge_pages,
         )  # fmt: skip (HSDP: the grads take one more all-reduce after the reduce-scatters)
         # the last step's all-gathers still with the worker start before the next grad sync
         optimizer.grad_sync.before_sync = optimizer.param_sync.flush

@@ -97,6 +97,8 @@ class ShardingConfig:
     #: CPU offload: the share of each key's elements whose state lives on the host (None: no
     #: offload; see Note: which params stay on the GPU in offload_plan.py)
     offload_fraction: float | None = None
+    #: CPU offload: host state on transparent huge pages (``CPUOffload.huge_pages``)
+    offload_huge_pages: bool = True
 
     def describe(self) -> tuple:
         return tuple(str(v) for v in self.__dict__.values())
@@ -348,6 +350,7 @@ class ShardedParams:
                 persistent_grads=config.nccl_ub,
                 comm_allocating=self.allocating,
                 offloaded=offloaded,
+                huge_pages=config.offload_huge_pages,
             )
             keys.append(Key(len(keys), gi, dtype, layout, buffers))
         return keys

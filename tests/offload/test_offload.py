@@ -193,6 +193,49 @@ def staging_ring(rank, world):
     assert not shardopt.DistributedFusedNovoGrad.bucketwise_update
 
 
+def _host_tensors(opt):
+    """Every host tensor of an offloaded optimizer: state of its keys and staging slots."""
+    out = []
+    for key in opt.keys:
+        buf = key.buffers
+        out += [t for t in (buf.master, buf.remainder) if torch.is_tensor(t)]
+        out += [*buf.state.values(), *buf.scales.values()]
+    pipeline = opt._offload_pipeline
+    if pipeline is not None:
+        for ring in (pipeline.grad_slots, pipeline.out_slots, pipeline.param_slots):
+            out += [b for slots in ring.values() for b in slots.buffers]
+    return out
+
+
+def huge_pages(rank, world):
+    """Host state and staging slots in huge-page mappings (the size threshold lowered so this
+    model's tensors take them) and on torch's allocator (``huge_pages=False``): the same bits as
+    without offload, for the bucketwise path (Adam), a compact format and the whole-shard path
+    (LAMB)."""
+    from shardopt.zero import host_memory
+
+    before = host_memory.MIN_BYTES
+    host_memory.MIN_BYTES = 1
+    try:
+        for huge in (True, False):
+            off = shardopt.CPUOffload(huge_pages=huge)
+            compact = dict(store_param_remainders=True, state_format="int8")
+            for name, dtype, kw in (("Adam", BF16, None), ("Adam", BF16, compact),
+                                    ("LAMB", torch.float32, None)):  # fmt: skip
+                opt = _parity(name, rank, dtype=dtype, dtype_kw=kw, offload=off)
+                host = _host_tensors(opt)
+                assert host and all(t.device.type == "cpu" for t in host)
+                for t in host:
+                    extra = t.untyped_storage().nbytes() - t.numel() * t.element_size()
+                    if huge:  # its own mapping, one page larger, the tensor 2 MiB-aligned
+                        assert extra == host_memory.HUGE_PAGE, (name, t.shape, extra)
+                        assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+                    else:
+                        assert extra == 0, (name, t.shape, extra)
+    finally:
+        host_memory.MIN_BYTES = before
+
+
 def clipping_and_scaler(rank, world):
     for name in CLASSES:
         _parity(name, rank, clip=0.5)
@@ -492,6 +535,7 @@ def refusals(rank, world):
         (shardopt.CPUOffload(threads=0), ValueError, "threads"),
         (shardopt.CPUOffload(staging_slots=0), ValueError, "staging_slots"),
         (shardopt.CPUOffload(overlap_backward="yes"), ValueError, "overlap_backward"),
+        (shardopt.CPUOffload(huge_pages=1), TypeError, "huge_pages"),
     ]
     for bad, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -581,6 +625,7 @@ PLAN = [
         [
             every_class,
             staging_ring,
+            huge_pages,
             partial_fraction,
             auto_fraction,
             memory_split,
@@ -600,7 +645,7 @@ PLAN = [
             worker,
         ],
     ),  # fmt: skip
-    (3, [state_formats, staging_ring, partial_fraction, resume_w3, refusals, worker]),
+    (3, [state_formats, staging_ring, huge_pages, partial_fraction, resume_w3, refusals, worker]),
     (4, [clipping_and_scaler, hsdp, auto_fraction]),
 ]
 
@@ -656,5 +701,6 @@ def test_public_api():
     assert "CPUOffload" in shardopt.__all__
     c = shardopt.CPUOffload()
     assert (c.fraction, c.pin_memory, c.threads, c.staging_slots) == (1.0, True, None, 4)
+    assert c.huge_pages is True
     with pytest.raises(AttributeError):
         c.fraction = 0.5  # frozen

@@ -1,0 +1,49 @@
+"""CPU offload: the host memory an offloaded key's state lives in.
+
+Note: huge pages for host state
+    The CPU update streams the whole host state once per step (28 B/param for fp32 Adam: about
+    37 GB for a 1.3B-param shard), bound by DRAM bandwidth. On 4 KiB pages that is a TLB miss
+    every 4 KiB of each of its streams, and the hardware prefetchers stop at every page boundary.
+    With ``CPUOffload(huge_pages=True)`` (the default) each host tensor of 2 MiB or more (masters,
+    states, remainders, scales, the staging slots) comes from its own anonymous mapping,
+    2 MiB-aligned and advised ``MADV_HUGEPAGE``, so that where the OS has transparent huge pages in
+    ``madvise`` or ``always`` mode (/sys/kernel/mm/transparent_hugepage/enabled) it sits on 2 MiB
+    pages. Where they are off (``never``), or the platform has no ``MADV_HUGEPAGE``, the advice is a
+    no-op and the pages stay 4 KiB: the values never depend on it. A tensor keeps its mapping alive;
+    the mapping is unmapped when the last view of it is freed. The fill that follows the
+    allocation is the pages' first touch, done by the update's intra-op threads (the
+    ``host_state.threads`` context the engine allocates in).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+#: the size of a transparent huge page on x86-64 and on arm64 with 4 KiB base pages
+HUGE_PAGE = 2 << 20
+#: smaller tensors stay on torch's allocator (a mapping of their own would waste most of a page)
+MIN_BYTES = HUGE_PAGE
+
+
+def empty(numel: int, dtype: torch.dtype, huge_pages: bool) -> torch.Tensor:
+    """An uninitialised host tensor of ``numel`` elements; with ``huge_pages`` and 2 MiB or more,
+    2 MiB-aligned in its own mapping advised ``MADV_HUGEPAGE`` (Note: huge pages for host state)."""
+    nbytes = numel * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if not huge_pages or nbytes < MIN_BYTES or advice is None:
+        return torch.empty(numel, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(advice)
+    except OSError:  # a kernel without transparent huge pages refuses the advice: 4 KiB pages
+        pass
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds ``region`` while a view lives
+    start = (-raw.data_ptr()) % HUGE_PAGE
+    return raw[start : start + nbytes].view(dtype)
+
+
+def full(numel: int, dtype: torch.dtype, value: int | float, huge_pages: bool) -> torch.Tensor:
+    """A host tensor of ``value``s in ``empty``'s memory (the fill is its first touch)."""
+    return empty(numel, dtype, huge_pages).fill_(value)
