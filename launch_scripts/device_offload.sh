@@ -7,6 +7,7 @@
 # this order):
 #   tests     tests/offload/test_offload_cuda.py (exactness and memory under NCCL, world 1), or the test
 #             files (pytest arguments) in OFFLOAD_TESTS
+#   ds_op     DeepSpeed's CPU Adam op, JIT-built (its offload contenders load this build)
 #   cpu_adam  bench_cpu_adam.py, every core, 268M params (builds DeepSpeed's CPU Adam op first)
 #   bench14   bench_offload.py at 2048 x 24 (1.4B), clipping off and on
 #   bench28   bench_offload.py at 2560 x 32 (2.8B), clipping off and on
@@ -77,6 +78,15 @@ bench() {  # bench NAME WIDTH DEPTH CAP
   sed -n '/^| contender/,$p' "$LOG/bench_offload_$1.log" | tee -a "$SUMMARY"
 }
 
+ds_op() {  # DeepSpeed's CPU Adam op, JIT-built once here (its offload contenders load this build)
+  timeout "$(allot 240)" python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+    > "$LOG/deepspeed_op_build.log" 2>&1
+  local rc=$?
+  # a build killed midway leaves its lock, and the next build would wait on it
+  [ $rc = 124 ] && find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -delete
+  echo "DeepSpeed CPU Adam op build: exit code $rc" | tee -a "$SUMMARY"
+}
+
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(tests cpu_adam bench14 bench28 largest)
 for s in "${stages[@]}"; do
@@ -91,13 +101,8 @@ for s in "${stages[@]}"; do
              > "$LOG/test_offload_cuda.log" 2>&1
            grep -E "^(FAILED|ERROR)" "$LOG/test_offload_cuda.log" | head -20 | tee -a "$SUMMARY"
            tail -1 "$LOG/test_offload_cuda.log" | tee -a "$SUMMARY" ;;
-    cpu_adam) # DeepSpeed's CPU Adam op, JIT-built once here (its offload contenders load this build)
-              timeout "$(allot 240)" python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
-                > "$LOG/deepspeed_op_build.log" 2>&1
-              rc=$?
-              # a build killed midway leaves its lock, and the next build would wait on it
-              [ $rc = 124 ] && find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -delete
-              echo "DeepSpeed CPU Adam op build: exit code $rc" | tee -a "$SUMMARY"
+    ds_op) ds_op ;;
+    cpu_adam) ds_op
               OMP_NUM_THREADS=$NCORES timeout "$(allot 150)" python3 launch_scripts/bench_cpu_adam.py \
                 --threads "$NCORES" --out "$LOG/bench_cpu_adam.json" > "$LOG/bench_cpu_adam.log" 2>&1
               sed -n '/^| kernel/,$p' "$LOG/bench_cpu_adam.log" | tee -a "$SUMMARY" ;;
