@@ -9,14 +9,19 @@ Note: huge pages for host state
     2 MiB-aligned and advised ``MADV_HUGEPAGE``, so that where the OS has transparent huge pages in
     ``madvise`` or ``always`` mode (/sys/kernel/mm/transparent_hugepage/enabled) it sits on 2 MiB
     pages. Where they are off (``never``), or the platform has no ``MADV_HUGEPAGE``, the advice is a
-    no-op and the pages stay 4 KiB: the values never depend on it. A tensor keeps its mapping alive;
-    the mapping is unmapped when the last view of it is freed. The fill that follows the
+    no-op and the pages stay 4 KiB: the values never depend on it. Each tensor starts ``OFFSETS[k]``
+    bytes into a huge page (k counting allocations): on 4 KiB pages the physical addresses of the
+    update's five streams (grad, master, two moments, out slot) are scattered, on 2 MiB pages they
+    would share their low 21 bits, and streams read in lockstep would then fall into the same cache
+    sets and DRAM banks at every element. A tensor keeps its mapping alive; the mapping is unmapped
+    when the last view of it is freed. The fill that follows the
     allocation is the pages' first touch, done by the update's intra-op threads (the
     ``host_state.threads`` context the engine allocates in).
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 
 import torch
@@ -25,22 +30,34 @@ import torch
 HUGE_PAGE = 2 << 20
 #: smaller tensors stay on torch's allocator (a mapping of their own would waste most of a page)
 MIN_BYTES = HUGE_PAGE
+#: where successive tensors start within their first huge page: multiples of 16 KiB + 576 B
+#: (64 B-aligned; distinct modulo 4 KiB and modulo 128 KiB, an L2 way's span)
+OFFSETS = tuple(k * (16 * 1024 + 576) for k in range(7))
+_allocations = itertools.count()
 
 
-def empty(numel: int, dtype: torch.dtype, huge_pages: bool) -> torch.Tensor:
+def empty(
+    numel: int, dtype: torch.dtype, huge_pages: bool, offset: int | None = None
+) -> torch.Tensor:
     """An uninitialised host tensor of ``numel`` elements; with ``huge_pages`` and 2 MiB or more,
-    2 MiB-aligned in its own mapping advised ``MADV_HUGEPAGE`` (Note: huge pages for host state)."""
+    in its own mapping advised ``MADV_HUGEPAGE``, starting ``offset`` bytes (a multiple of 64;
+    default: the next of ``OFFSETS``) into a huge page (Note: huge pages for host state)."""
     nbytes = numel * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if not huge_pages or nbytes < MIN_BYTES or advice is None:
         return torch.empty(numel, dtype=dtype)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if offset is None:
+        offset = OFFSETS[next(_allocations) % len(OFFSETS)]
+    if offset % 64 or not 0 <= offset < HUGE_PAGE:
+        raise ValueError(f"offset must be a multiple of 64 in [0, {HUGE_PAGE}), got {offset}")
+    size = nbytes + offset + HUGE_PAGE
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(advice)
     except OSError:  # a kernel without transparent huge pages refuses the advice: 4 KiB pages
         pass
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds ``region`` while a view lives
-    start = (-raw.data_ptr()) % HUGE_PAGE
+    start = (-raw.data_ptr()) % HUGE_PAGE + offset
     return raw[start : start + nbytes].view(dtype)
 
 

@@ -227,9 +227,10 @@ def huge_pages(rank, world):
                 assert host and all(t.device.type == "cpu" for t in host)
                 for t in host:
                     extra = t.untyped_storage().nbytes() - t.numel() * t.element_size()
-                    if huge:  # its own mapping, one page larger, the tensor 2 MiB-aligned
-                        assert extra == host_memory.HUGE_PAGE, (name, t.shape, extra)
-                        assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+                    if huge:  # its own mapping, starting at one of OFFSETS into a huge page
+                        start = t.data_ptr() % host_memory.HUGE_PAGE
+                        assert start in host_memory.OFFSETS, (name, t.shape, start)
+                        assert extra == start + host_memory.HUGE_PAGE, (name, t.shape, extra)
                     else:
                         assert extra == 0, (name, t.shape, extra)
     finally:
