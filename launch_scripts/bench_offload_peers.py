@@ -59,10 +59,11 @@ CONTENDERS = (  # in the order they run (the most telling first, when a time bud
 )
 
 
-def huge_pages() -> bool:
-    """Whether shardopt's host state goes on transparent huge pages (BENCH_OFFLOAD_HUGE_PAGES,
-    default 1: CPUOffload's default)."""
-    return os.environ.get("BENCH_OFFLOAD_HUGE_PAGES", "1") != "0"
+def huge_pages() -> bool | None:
+    """Whether shardopt's host state goes on transparent huge pages: BENCH_OFFLOAD_HUGE_PAGES
+    (1 or 0), None where it is unset (CPUOffload's default)."""
+    value = os.environ.get("BENCH_OFFLOAD_HUGE_PAGES")
+    return None if value is None else value != "0"
 
 
 class Skipped(Exception):
@@ -166,13 +167,14 @@ def _shardopt(
             raise Skipped("this shardopt has no CPU offload (shardopt.CPUOffload is missing)")
         # updates during backward only where the step does not clip (exact only then)
         # BENCH_OFFLOAD_THREADS: the update's CPU threads (default: CPUOffload's);
-        # BENCH_OFFLOAD_HUGE_PAGES=0: host state on 4 KiB pages (CPUOffload(huge_pages=False))
+        # BENCH_OFFLOAD_HUGE_PAGES=1/0: CPUOffload(huge_pages=True/False) (default: CPUOffload's)
         threads = os.environ.get("BENCH_OFFLOAD_THREADS")
+        huge = huge_pages()
         kwargs["offload"] = shardopt.CPUOffload(
             fraction=offload,
             overlap_backward=overlap_backward,
             threads=int(threads) if threads else None,
-            **({"huge_pages": False} if not huge_pages() else {}),
+            **({"huge_pages": huge} if huge is not None else {}),
         )
     try:
         opt = shardopt.DistributedFusedAdam(

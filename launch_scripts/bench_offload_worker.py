@@ -118,11 +118,15 @@ def init_process_group(backend: str) -> None:
 def cpu_update(n_params: int, spec: Spec) -> dict[str, Any]:
     """shardopt's CPU Adam over ``n_params`` host elements in chunks of ``spec.cpu_chunk``: fp32
     masters and moments, bf16 grads in, bf16 params out (the cast fused into the update), in host
-    memory allocated as the offload path does (on huge pages unless BENCH_OFFLOAD_HUGE_PAGES=0)."""
+    memory allocated as the offload path does (CPUOffload's default pages, or as
+    BENCH_OFFLOAD_HUGE_PAGES says)."""
+    import shardopt
     from shardopt import kernels as _ops
     from shardopt.zero import host_memory
 
     huge = huge_pages()
+    if huge is None:
+        huge = shardopt.CPUOffload().huge_pages
 
     def host(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return host_memory.empty(n, dtype, huge)

@@ -170,7 +170,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             storage=storage,
             nccl_ub=apex["nccl_ub"],
             offload_fraction=fraction,
-            offload_huge_pages=offload_settings is None or offload_settings.huge_pages,
+            offload_huge_pages=offload_settings is not None and offload_settings.huge_pages,
         )
         self._pipeline_size = apex["pipeline_size"]
         self._offload_settings = offload_settings

@@ -4,19 +4,28 @@ Note: huge pages for host state
     The CPU update streams the whole host state once per step (28 B/param for fp32 Adam: about
     37 GB for a 1.3B-param shard), bound by DRAM bandwidth. On 4 KiB pages that is a TLB miss
     every 4 KiB of each of its streams, and the hardware prefetchers stop at every page boundary.
-    With ``CPUOffload(huge_pages=True)`` (the default) each host tensor of 2 MiB or more (masters,
-    states, remainders, scales, the staging slots) comes from its own anonymous mapping,
-    2 MiB-aligned and advised ``MADV_HUGEPAGE``, so that where the OS has transparent huge pages in
+    With ``CPUOffload(huge_pages=True)`` (off by default, see below) each host tensor of 2 MiB or
+    more (masters, states, remainders, scales, the staging slots) comes from its own anonymous
+    mapping advised ``MADV_HUGEPAGE``, so that where the OS has transparent huge pages in
     ``madvise`` or ``always`` mode (/sys/kernel/mm/transparent_hugepage/enabled) it sits on 2 MiB
-    pages. Where they are off (``never``), or the platform has no ``MADV_HUGEPAGE``, the advice is a
-    no-op and the pages stay 4 KiB: the values never depend on it. Each tensor starts ``OFFSETS[k]``
-    bytes into a huge page (k counting allocations): on 4 KiB pages the physical addresses of the
-    update's five streams (grad, master, two moments, out slot) are scattered, on 2 MiB pages they
-    would share their low 21 bits, and streams read in lockstep would then fall into the same cache
-    sets and DRAM banks at every element. A tensor keeps its mapping alive; the mapping is unmapped
-    when the last view of it is freed. The fill that follows the
-    allocation is the pages' first touch, done by the update's intra-op threads (the
-    ``host_state.threads`` context the engine allocates in).
+    pages. Where they are off (``never``), or the platform has no ``MADV_HUGEPAGE``, the advice is
+    a no-op and the pages stay 4 KiB: the values never depend on it. Each tensor starts
+    ``OFFSETS[k]`` bytes into a huge page (k counting allocations): on 4 KiB pages the physical
+    addresses of the update's five streams (grad, master, two moments, out slot) are scattered; on
+    2 MiB pages they would share their low 21 bits, and streams read in lockstep would fall into
+    the same cache sets and DRAM banks at every element. A tensor keeps its mapping alive; the
+    mapping is unmapped when the last view of it is freed. The fill that follows the allocation is
+    the pages' first touch, done by the update's intra-op threads (the ``host_state.threads``
+    context the engine allocates in).
+
+    Measured on the one-H200 box (16 cores, THP ``madvise``; docs/benchmarks.md, "CPU offload"):
+    the offload kernel alone over 402M params (launch_scripts/probe_host_pages.py, one round,
+    one call) took 113.9 ms on 4 KiB pages, 119.2 ms on 2 MiB-aligned huge pages and 107.1 ms
+    staggered. The 1.32B GPT's unclipped offloaded step took 465.4 ms staggered, 492.4 ms on 4 KiB
+    pages and 533.1 ms aligned, each in another call (machine). The CUDA test of
+    ``fraction="auto"`` (within 10% of no offload on a small model) failed in both calls with huge
+    pages (1.28x aligned, 1.17x staggered) and passed in the one without. Until one call measures
+    both end to end on the same machine, the default stays on 4 KiB pages.
 """
 
 from __future__ import annotations

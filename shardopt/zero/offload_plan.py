@@ -57,9 +57,10 @@ class CPUOffload:
             ``"auto"``: on from the second step when the previous step did none of those;
             ``True``: from the first step (see docs/offload.md).
         huge_pages: allocate the host state and staging buffers of 2 MiB or more advised as
-            transparent huge pages (``MADV_HUGEPAGE``; a no-op where the OS has them off): fewer
-            TLB misses for the DRAM-bound update (Note: huge pages for host state in
-            shardopt/zero/host_memory.py). The values do not depend on it.
+            transparent huge pages (``MADV_HUGEPAGE``; a no-op where the OS has them off), their
+            starts staggered: fewer TLB misses for the DRAM-bound update. Off by default until
+            it is measured faster end to end (Note: huge pages for host state in
+            shardopt/zero/host_memory.py says what was measured). The values do not depend on it.
     """
 
     fraction: Fraction = 1.0
@@ -67,7 +68,7 @@ class CPUOffload:
     threads: int | None = None
     staging_slots: int = 4
     overlap_backward: bool | Literal["auto"] = False
-    huge_pages: bool = True
+    huge_pages: bool = False
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ class ShardingConfig:
     #: offload; see Note: which params stay on the GPU in offload_plan.py)
     offload_fraction: float | None = None
     #: CPU offload: host state on transparent huge pages (``CPUOffload.huge_pages``)
-    offload_huge_pages: bool = True
+    offload_huge_pages: bool = False
 
     def describe(self) -> tuple:
         return tuple(str(v) for v in self.__dict__.values())

@@ -702,6 +702,6 @@ def test_public_api():
     assert "CPUOffload" in shardopt.__all__
     c = shardopt.CPUOffload()
     assert (c.fraction, c.pin_memory, c.threads, c.staging_slots) == (1.0, True, None, 4)
-    assert c.huge_pages is True
+    assert c.huge_pages is False
     with pytest.raises(AttributeError):
         c.fraction = 0.5  # frozen
