@@ -2,6 +2,7 @@
 // (tensor, chunk) work items of whole blocks; per block the tile phases of adam_compact_math.h
 // with a decode before the update and, after it, v's root, a max reduction and an encode.
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 #include "../kernels.h"
@@ -56,6 +57,8 @@ void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
     C* mk = m[k];
     C* vk = v[k];
     Tile<kBlock> t;
+    C cm[kBlock];
+    C cv[kBlock];
     for (int64_t b0 = s; b0 < e; b0 += kBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kBlock, e - b0));
       const int64_t block = b0 / kBlock;
@@ -80,10 +83,13 @@ void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
       }
       const codec::Scale mc = Fmt::scale(m_amax);
       const codec::Scale vc = Fmt::scale(v_amax);
-#pragma omp simd
-      for (int j = 0; j < n; ++j) mk[b0 + j] = Fmt::encode(t.m[j], mc, tml);
-#pragma omp simd
-      for (int j = 0; j < n; ++j) vk[b0 + j] = Fmt::encode_root(t.v[j], vc, tvl);
+      // The codes go to local buffers first: a store through a uint8 pointer may alias the
+      // tables, which kept GCC from vectorising the int8 encode loops (its gathers included).
+      const float v_tiny = Fmt::tiny(tvl);
+      for (int j = 0; j < n; ++j) cm[j] = Fmt::encode(t.m[j], mc, tml);
+      for (int j = 0; j < n; ++j) cv[j] = Fmt::encode_root(t.v[j], vc, v_tiny, tvl);
+      std::memcpy(mk + b0, cm, n * sizeof(C));
+      std::memcpy(vk + b0, cv, n * sizeof(C));
       ms[k][block] = mc.scale;
       vs[k][block] = vc.scale;
     }

@@ -34,6 +34,12 @@ struct ScaledFp16 {
   static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s, const codec::Int8Tables*) {
     return codec::from_float<code_t>(codec::floor_positive(r, r * s.inv, codec::kHalfTiny));
   }
+  // The smallest positive code value of v, and encode_root with it passed in (see Int8).
+  static SHARDOPT_HD float tiny(const codec::Int8Tables*) { return codec::kHalfTiny; }
+  static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s, float tiny,
+                                        const codec::Int8Tables*) {
+    return codec::from_float<code_t>(codec::floor_positive(r, r * s.inv, tiny));
+  }
 };
 
 // "int8": indices into the dynamic map (m: signed, v: unsigned) of x * (1 / amax).
@@ -54,7 +60,14 @@ struct Int8 {
   }
   static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s,
                                         const codec::Int8Tables* t) {
-    return codec::int8_code(s.finite ? codec::floor_positive(r, r * s.inv, t->map[1]) : 0.f, *t);
+    return encode_root(r, s, tiny(t), t);
+  }
+  // encode_root with tiny(t) passed in: the CPU loop reads it once per block, since a load of
+  // map[1] inside the loop kept GCC from vectorising it (the loop ran scalar, half of the step).
+  static SHARDOPT_HD float tiny(const codec::Int8Tables* t) { return t->map[1]; }
+  static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s, float tiny,
+                                        const codec::Int8Tables* t) {
+    return codec::int8_code(s.finite ? codec::floor_positive(r, r * s.inv, tiny) : 0.f, *t);
   }
 };
 
