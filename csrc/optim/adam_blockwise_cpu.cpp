@@ -107,22 +107,26 @@ void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
       }
       const codec::Scale mc = Fmt::scale(m_amax);
       const codec::Scale vc = Fmt::scale(v_amax);
-      // The codes go to local buffers first: a store through a uint8 pointer may alias the
-      // tables, which kept GCC from vectorising the int8 encode loops (its gathers included).
-      const float v_tiny = Fmt::tiny(tvl);
-      if constexpr (Fmt::kTables) {  // see Note: int8 encode on CPU
+      if constexpr (Fmt::kTables) {
+        // The codes go to local buffers first: a store through a uint8 pointer may alias the
+        // tables, which kept GCC from vectorising the int8 encode loops (see Note: int8 encode on
+        // CPU). scaled_fp16 keeps its loops: restructured, the avx2 build gave some NaN codes
+        // another sign.
+        const float v_tiny = Fmt::tiny(tvl);
         for (int j = 0; j < n; ++j) {
           cm[j] = codec::int8_code_search(Fmt::scaled(t.m[j], mc), wml, true);
         }
         for (int j = 0; j < n; ++j) {
           cv[j] = codec::int8_code_search(Fmt::scaled_root(t.v[j], vc, v_tiny), wvl, false);
         }
+        std::memcpy(mk + b0, cm, n * sizeof(C));
+        std::memcpy(vk + b0, cv, n * sizeof(C));
       } else {
-        for (int j = 0; j < n; ++j) cm[j] = Fmt::encode(t.m[j], mc, tml);
-        for (int j = 0; j < n; ++j) cv[j] = Fmt::encode_root(t.v[j], vc, v_tiny, tvl);
+#pragma omp simd
+        for (int j = 0; j < n; ++j) mk[b0 + j] = Fmt::encode(t.m[j], mc, tml);
+#pragma omp simd
+        for (int j = 0; j < n; ++j) vk[b0 + j] = Fmt::encode_root(t.v[j], vc, tvl);
       }
-      std::memcpy(mk + b0, cm, n * sizeof(C));
-      std::memcpy(vk + b0, cv, n * sizeof(C));
       ms[k][block] = mc.scale;
       vs[k][block] = vc.scale;
     }

@@ -34,12 +34,6 @@ struct ScaledFp16 {
   static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s, const codec::Int8Tables*) {
     return codec::from_float<code_t>(codec::floor_positive(r, r * s.inv, codec::kHalfTiny));
   }
-  // The smallest positive code value of v, and encode_root with it passed in (see Int8).
-  static SHARDOPT_HD float tiny(const codec::Int8Tables*) { return codec::kHalfTiny; }
-  static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s, float tiny,
-                                        const codec::Int8Tables*) {
-    return codec::from_float<code_t>(codec::floor_positive(r, r * s.inv, tiny));
-  }
 };
 
 // "int8": indices into the dynamic map (m: signed, v: unsigned) of x * (1 / amax).
