@@ -2,6 +2,7 @@
 // (tensor, chunk) work items of whole blocks; per block the tile phases of adam_compact_math.h
 // with a decode before the update and, after it, v's root, a max reduction and an encode.
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 #include "../kernels.h"
@@ -32,6 +33,26 @@ const codec::Int8Tables& int8_tables(bool is_signed) {
   return is_signed ? *signed_tables : *unsigned_tables;
 }
 
+// Note: int8 encode on CPU. The encode loops look codes up in the search words of the CUDA
+// kernel (codec::int8_code_search: one gather per code) rather than by codec::int8_code over
+// Int8Tables (three gathers: the bucket's base, two entries). The two give the same code for every
+// fp32 |xn| < 2 of either map (checked over all 2^32 patterns against int8_code, 2026-12-02), and
+// an encoded value is finite with |xn| <= 1 + 2^-23 (Int8::scaled, Int8::scaled_root).
+std::unique_ptr<uint32_t[]> build_words(bool is_signed) {
+  const codec::Int8Tables& t = int8_tables(is_signed);
+  const int words = is_signed ? codec::kSignedWords : codec::kUnsignedWords;
+  auto w = std::make_unique<uint32_t[]>(words);
+  for (int i = 0; i < words; ++i) w[i] = codec::search_word(t.map, t.zero, is_signed, i);
+  return w;
+}
+
+// The search words of the signed (m) and unsigned (v) maps, built on first use.
+const uint32_t* int8_words(bool is_signed) {
+  static const auto signed_words = build_words(true);
+  static const auto unsigned_words = build_words(false);
+  return is_signed ? signed_words.get() : unsigned_words.get();
+}
+
 template <typename Ty, typename Fmt>
 void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
   using namespace adam_compact;
@@ -41,6 +62,8 @@ void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
   using M = Master<P, Ty::remainder>;
   const codec::Int8Tables* tm = Fmt::kTables ? &int8_tables(true) : nullptr;
   const codec::Int8Tables* tv = Fmt::kTables ? &int8_tables(false) : nullptr;
+  const uint32_t* wm = Fmt::kTables ? int8_words(true) : nullptr;
+  const uint32_t* wv = Fmt::kTables ? int8_words(false) : nullptr;
   auto g = cpu::pointers<G>(lists[kGrad]);
   auto p = cpu::pointers<P>(lists[kParam]);
   auto r = cpu::pointers<int16_t>(lists[kRemainder]);
@@ -52,10 +75,14 @@ void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
     // local copies: uint8 code stores may alias anything, captures included
     const codec::Int8Tables* const tml = tm;
     const codec::Int8Tables* const tvl = tv;
+    const uint32_t* const wml = wm;
+    const uint32_t* const wvl = wv;
     int16_t* rk = Ty::remainder ? r[k] : nullptr;
     C* mk = m[k];
     C* vk = v[k];
     Tile<kBlock> t;
+    C cm[kBlock];
+    C cv[kBlock];
     for (int64_t b0 = s; b0 < e; b0 += kBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kBlock, e - b0));
       const int64_t block = b0 / kBlock;
@@ -80,10 +107,26 @@ void run(const TensorLists& lists, const adam::Hyper<float>& h, float gs) {
       }
       const codec::Scale mc = Fmt::scale(m_amax);
       const codec::Scale vc = Fmt::scale(v_amax);
+      if constexpr (Fmt::kTables) {
+        // The codes go to local buffers first: a store through a uint8 pointer may alias the
+        // tables, which kept GCC from vectorising the int8 encode loops (see Note: int8 encode on
+        // CPU). scaled_fp16 keeps its loops: restructured, the avx2 build gave some NaN codes
+        // another sign.
+        const float v_tiny = Fmt::tiny(tvl);
+        for (int j = 0; j < n; ++j) {
+          cm[j] = codec::int8_code_search(Fmt::scaled(t.m[j], mc), wml, true);
+        }
+        for (int j = 0; j < n; ++j) {
+          cv[j] = codec::int8_code_search(Fmt::scaled_root(t.v[j], vc, v_tiny), wvl, false);
+        }
+        std::memcpy(mk + b0, cm, n * sizeof(C));
+        std::memcpy(vk + b0, cv, n * sizeof(C));
+      } else {
 #pragma omp simd
-      for (int j = 0; j < n; ++j) mk[b0 + j] = Fmt::encode(t.m[j], mc, tml);
+        for (int j = 0; j < n; ++j) mk[b0 + j] = Fmt::encode(t.m[j], mc, tml);
 #pragma omp simd
-      for (int j = 0; j < n; ++j) vk[b0 + j] = Fmt::encode_root(t.v[j], vc, tvl);
+        for (int j = 0; j < n; ++j) vk[b0 + j] = Fmt::encode_root(t.v[j], vc, tvl);
+      }
       ms[k][block] = mc.scale;
       vs[k][block] = vc.scale;
     }

@@ -45,8 +45,16 @@ struct Int8 {
   static SHARDOPT_HD float decode(code_t c, float s, const codec::Int8Tables* t) {
     return t->map[static_cast<int32_t>(c)] * s;
   }
+  // The value whose code is m's (a non-finite block: zero codes), and v's root's with tiny the
+  // unsigned map's smallest positive value (tiny(t)). Always finite, |value| <= 1 + 2^-23.
+  static SHARDOPT_HD float scaled(float x, const codec::Scale& s) {
+    return s.finite ? x * s.inv : 0.f;
+  }
+  static SHARDOPT_HD float scaled_root(float r, const codec::Scale& s, float tiny) {
+    return s.finite ? codec::floor_positive(r, r * s.inv, tiny) : 0.f;
+  }
   static SHARDOPT_HD code_t encode(float x, const codec::Scale& s, const codec::Int8Tables* t) {
-    return codec::int8_code(s.finite ? x * s.inv : 0.f, *t);  // a non-finite block: zero codes
+    return codec::int8_code(scaled(x, s), *t);
   }
   // v: t is the unsigned map's; map[1] is its smallest positive value.
   static SHARDOPT_HD float decode_v(code_t c, float s, const codec::Int8Tables* t) {
@@ -54,7 +62,14 @@ struct Int8 {
   }
   static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s,
                                         const codec::Int8Tables* t) {
-    return codec::int8_code(s.finite ? codec::floor_positive(r, r * s.inv, t->map[1]) : 0.f, *t);
+    return encode_root(r, s, tiny(t), t);
+  }
+  // encode_root with tiny(t) passed in: the CPU loop reads it once per block, since a load of
+  // map[1] inside the loop kept GCC from vectorising it (the loop ran scalar, half of the step).
+  static SHARDOPT_HD float tiny(const codec::Int8Tables* t) { return t->map[1]; }
+  static SHARDOPT_HD code_t encode_root(float r, const codec::Scale& s, float tiny,
+                                        const codec::Int8Tables* t) {
+    return codec::int8_code(scaled_root(r, s, tiny), *t);
   }
 };
 

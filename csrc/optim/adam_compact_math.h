@@ -53,11 +53,11 @@ struct Master {
 };
 
 // ---- CPU: tiles ---------------------------------------------------------------------------------
-// The CPU kernels work through a tensor in tiles of N elements (adam_blockwise: one block;
-// adam_compact: 1024, to amortise the loops' setup): each loads into float buffers, runs the
-// update over them, then stores. Every phase is a plain loop over one or two buffers, which GCC
-// vectorises (it did not vectorise one fused loop with int16 remainders or 16-bit conversions).
-// update_tile's expression is adam_cpu.cpp's, so an fp32 master with fp32 moments gives its bits.
+// adam_blockwise's CPU kernel works through a tensor in tiles of one block: each loads into float
+// buffers, runs the update over them, then stores, max-reduces and encodes (the block's scale
+// needs every element's new value before the first code). Every phase is a plain loop over one or
+// two buffers, which GCC vectorises. adam_compact's CPU kernel needs no tiles: one fused loop
+// (adam_compact_cpu.cpp). update_tile's expression is adam_cpu.cpp's, the same bits.
 template <int N>
 struct Tile {
   static constexpr int kSize = N;
