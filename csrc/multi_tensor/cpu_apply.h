@@ -1,12 +1,13 @@
-// The CPU multi-tensor traversal: at::parallel_for over (tensor, chunk) work items, with the
-// per-element loop left to the caller (a plain loop the compiler vectorises). Honours
-// torch.get_num_threads() through ATen's intra-op pool.
+// The CPU multi-tensor traversal: (tensor, chunk) work items taken one by one by ATen's intra-op
+// threads (Note: items taken one by one), with the per-element loop left to the caller (a plain
+// loop the compiler vectorises). Honours torch.get_num_threads() through ATen's intra-op pool.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -36,11 +37,38 @@ inline std::vector<WorkItem> work_items(const std::vector<at::Tensor>& tensors) 
   return items;
 }
 
+// Note: items taken one by one. at::parallel_for hands each intra-op thread one contiguous range
+// of the items, fixed before the call (static). A thread whose core is shared with another busy
+// thread (a rank's main thread launching GPU work beside the CPU update of offload, a
+// communication library's progress thread, another process) then holds every other thread at the
+// end of the call: the call takes as long as the slowed thread's share. Here each thread takes the
+// next run of items from a shared counter until none is left (runs shrinking as the items run
+// out, OpenMP's "guided" schedule), so a slowed thread simply runs fewer items.
+// Every kernel's result is a function of its item alone (reductions write one partial per item,
+// combined in item order after the call), so the bits do not depend on which thread ran an item.
+
 // Calls f(item_index, tensor, start, end) for every chunk of every tensor, in parallel.
 template <typename F>
 void apply(const std::vector<WorkItem>& items, F&& f) {
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) f(i, items[i].tensor, items[i].start, items[i].end);
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) f(i, items[i].tensor, items[i].start, items[i].end);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    int64_t first = next.load(std::memory_order_relaxed);
+    while (first < n) {
+      // guided: half of a fair share of what is left, so a thread's run of items stays
+      // contiguous in memory (as a static split's would) and the last runs are single items
+      const int64_t take = std::max<int64_t>(1, (n - first) / (2 * threads));
+      if (!next.compare_exchange_weak(first, first + take, std::memory_order_relaxed)) continue;
+      for (int64_t i = first; i < first + take; ++i) {
+        f(i, items[i].tensor, items[i].start, items[i].end);
+      }
+      first = next.load(std::memory_order_relaxed);
+    }
   });
 }
 
