@@ -1,4 +1,4 @@
-// Adam over blockwise compact state (scaled_fp16, int8) on CPU tensors: at::parallel_for over
+// Adam over blockwise compact state (scaled_fp16, int8) on CPU tensors: cpu::apply over
 // (tensor, chunk) work items of whole blocks; per block the tile phases of adam_compact_math.h
 // with a decode before the update and, after it, v's root, a max reduction and an encode.
 #include <algorithm>
