@@ -1,8 +1,9 @@
 """CPU offload, ``fraction="auto"``: what is measured on this machine for the decision.
 
-``measure`` times, on rank 0, the CPU kernel's update per element (an Adam update of 2^20 fp32
-elements on the host, the thread budget in effect), the host-device copy per element (the grad
-down and the param up, in their dtypes) and the device kernel's update per element.
+``measure`` times, on rank 0, the CPU kernel's update per element (an Adam update of 2^24
+elements on the host with the grads and the out slot in the offloaded keys' dtypes, the thread
+budget in effect), the host-device copy per element (the grad down and the param up, in their
+dtypes) and the device kernel's update per element.
 ``BackwardTimer`` times the first steps of training from the grad sync's hooks: the backward
 (from its first grad hook to the last grad hook or reduce-scatter launch in it) and the forward
 before it (from the end of the last ``step()`` to that first grad hook), with CUDA events on a
@@ -21,6 +22,11 @@ from shardopt import kernels as _ops
 from shardopt import state_codec
 
 _MEASURE_NUMEL = 1 << 20
+# The CPU update is DRAM-bound only on state larger than the last-level cache: 2^20 elements (16
+# MB of fp32 state) ran from a server CPU's cache, and auto took the offloaded part's update for
+# faster than it was; 2^24 elements (268 MB with bf16 grads and out slot) stream from memory as a
+# real shard does.
+_CPU_MEASURE_NUMEL = 1 << 24
 _DEVICE_MEASURE_NUMEL = 1 << 22  # a device kernel on 2^20 elements is mostly launch latency
 
 
@@ -39,9 +45,17 @@ def _time_ms(fn, device: torch.device, repeat: int = 3) -> float:
     return best
 
 
-def _adam_ms(device: torch.device) -> float:
-    n = _DEVICE_MEASURE_NUMEL if device.type == "cuda" else _MEASURE_NUMEL
-    tensors = [[torch.zeros(n, dtype=torch.float32, device=device)] for _ in range(4)]
+def _adam_ms(
+    device: torch.device, grad_dtype: torch.dtype = torch.float32, out_dtype: torch.dtype | None = None
+) -> float:
+    """Per-element time of an Adam update on ``device``: fp32 masters and moments, grads in
+    ``grad_dtype``, the new params also written in ``out_dtype`` when given (the offload kernel's
+    out slot)."""
+    n = _DEVICE_MEASURE_NUMEL if device.type == "cuda" else _CPU_MEASURE_NUMEL
+    tensors = [[torch.zeros(n, dtype=grad_dtype, device=device)]]
+    tensors += [[torch.zeros(n, dtype=torch.float32, device=device)] for _ in range(3)]
+    if out_dtype is not None:
+        tensors.append([torch.zeros(n, dtype=out_dtype, device=device)])
 
     def update() -> None:
         _ops.adam(
@@ -55,7 +69,12 @@ def _adam_ms(device: torch.device) -> float:
 def measure(device: torch.device, grad_bytes: int, param_bytes: int) -> dict[str, float]:
     """Per-element times (ms) of the CPU update (``cpu_ms``), the copies (``copy_ms``) and the
     device update (``gpu_ms``; the CPU update's on a CPU job)."""
-    cpu = _adam_ms(torch.device("cpu"))
+    low = {2: torch.bfloat16, 4: torch.float32}
+    cpu = _adam_ms(
+        torch.device("cpu"),
+        low.get(grad_bytes, torch.float32),
+        low[param_bytes] if param_bytes in low and param_bytes < 4 else None,
+    )
     n = _MEASURE_NUMEL
     host = torch.empty(n * (grad_bytes + param_bytes), dtype=torch.uint8)
     if device.type == "cuda":

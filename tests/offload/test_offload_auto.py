@@ -42,10 +42,10 @@ from shardopt.zero.offload_plan import plan_fraction
 
 ENV = offload_replan.MEASURED_ENV
 ROOT = "SHARDOPT_TEST_OFFLOAD_AUTO_ROOT"
-#: per element: CPU update + copies 0.8e-6 ms (x1.25 headroom = 1e-6), GPU update 1e-6 ms,
-#: nothing to hide in: the two sides meet at fraction 0.5
-HALF = {"cpu_ms": 0.6e-6, "copy_ms": 0.2e-6, "gpu_ms": 1e-6, "free_bytes": 1e12, "forward_ms": 0.0,
-        "backward_ms": 0.0}  # fmt: skip
+#: per element: CPU update + copies 1e-6 ms with the headroom, GPU update 1e-6 ms, nothing to
+#: hide in: the two sides meet at fraction 0.5
+HALF = {"cpu_ms": 0.75e-6 / offload_replan.HEADROOM, "copy_ms": 0.25e-6 / offload_replan.HEADROOM,
+        "gpu_ms": 1e-6, "free_bytes": 1e12, "forward_ms": 0.0, "backward_ms": 0.0}  # fmt: skip
 STEPS = range(6)
 
 
