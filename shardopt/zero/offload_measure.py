@@ -1,6 +1,6 @@
 """CPU offload, ``fraction="auto"``: what is measured on this machine for the decision.
 
-``measure`` times, on rank 0, the CPU kernel's update per element (an Adam update of 2^24
+``measure`` times, on rank 0, the CPU kernel's update per element (an Adam update of 2^25
 elements on the host with the grads and the out slot in the offloaded keys' dtypes, the thread
 budget in effect), the host-device copy per element (the grad down and the param up, in their
 dtypes) and the device kernel's update per element.
@@ -23,10 +23,10 @@ from shardopt import state_codec
 
 _MEASURE_NUMEL = 1 << 20
 # The CPU update is DRAM-bound only on state larger than the last-level cache: 2^20 elements (16
-# MB of fp32 state) ran from a server CPU's cache, and auto took the offloaded part's update for
-# faster than it was; 2^24 elements (268 MB with bf16 grads and out slot) stream from memory as a
-# real shard does.
-_CPU_MEASURE_NUMEL = 1 << 24
+# MB of fp32 state) ran from a server CPU's cache (up to 320 MB of L3 a socket), and auto took the
+# offloaded part's update for faster than it was; 2^25 elements (537 MB with bf16 grads and out
+# slot, held only while measuring) stream from memory as a real shard does.
+_CPU_MEASURE_NUMEL = 1 << 25
 _DEVICE_MEASURE_NUMEL = 1 << 22  # a device kernel on 2^20 elements is mostly launch latency
 
 
