@@ -1,6 +1,7 @@
 // Adam on CPU tensors: the cpu traversal over adam_math.h.
 #include "../kernels.h"
 #include "../multi_tensor/cpu_apply.h"
+#include "../multi_tensor/cpu_stream.h"
 #include "../multi_tensor/dispatch.h"
 #include "adam_math.h"
 
@@ -41,11 +42,30 @@ void adam_cpu(const TensorLists& lists, double lr, double beta1, double beta2, d
             acc_t* __restrict mk = m[k];
             acc_t* __restrict vk = v[k];
             typename Ty::out_t* __restrict ok = Ty::has_out ? o[k] : nullptr;
-            for (int64_t i = s; i < e; ++i) {
-              acc_t pi = static_cast<acc_t>(pk[i]);
-              update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, mk[i], vk[i], hl);
-              pk[i] = static_cast<typename Ty::param_t>(pi);
-              if constexpr (Ty::has_out) ok[i] = static_cast<typename Ty::out_t>(pi);
+            if constexpr (Ty::has_out) {  // Note: streamed out slots
+              using out_t = typename Ty::out_t;
+              alignas(64) out_t buf[cpu::kStreamBlock];
+              for (int64_t b = s; b < e; b += cpu::kStreamBlock) {
+                const int64_t n = std::min(cpu::kStreamBlock, e - b);
+                const auto* __restrict gb = gk + b;
+                auto* __restrict pb = pk + b;
+                acc_t* __restrict mb = mk + b;
+                acc_t* __restrict vb = vk + b;
+                for (int64_t i = 0; i < n; ++i) {
+                  acc_t pi = static_cast<acc_t>(pb[i]);
+                  update<acc_t>(pi, static_cast<acc_t>(gb[i]) * gsl, mb[i], vb[i], hl);
+                  pb[i] = static_cast<typename Ty::param_t>(pi);
+                  buf[i] = static_cast<out_t>(pi);
+                }
+                cpu::stream_bytes(ok + b, buf, n * sizeof(out_t));
+              }
+              cpu::stream_fence();
+            } else {
+              for (int64_t i = s; i < e; ++i) {
+                acc_t pi = static_cast<acc_t>(pk[i]);
+                update<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, mk[i], vk[i], hl);
+                pk[i] = static_cast<typename Ty::param_t>(pi);
+              }
             }
           });
         });
