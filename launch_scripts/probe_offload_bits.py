@@ -9,7 +9,8 @@ first steps with and without offload, each mismatching element's inputs printed 
    classes call it), steps 1-3: mismatch counts per output and the first elements.
 2. Optimizer: ``DistributedFused{Adam,LAMB,NovoGrad}`` at world 1 (NCCL), the model and
    hyperparameters of tests/offload/test_offload_cuda.py, fp32 params, steps 1-2 with and without
-   ``offload="cpu"``: grads compared first (the same GPU computes both), then params and moments;
+   ``offload="cpu"``: grads (a copy of the model's, whose p.grad the optimizer's hooks take)
+   compared first (the same GPU computes both), then params and moments;
    for Adam each mismatching element's inputs, both results and fp32 recomputations of the
    formula of csrc/optim/adam_math.h with the bias corrections as the host and as fp32 give them.
 """
@@ -17,6 +18,7 @@ first steps with and without offload, each mismatching element's inputs printed 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import struct
@@ -104,20 +106,24 @@ CLASSES = {
 }
 
 
-def run(name: str, offload, steps: int):
+def run(name: str, offload, steps: int, device: str = "cuda"):
     cls, hyper = CLASSES[name]
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 70)).cuda()
+    model = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 70)).to(device)
+    shadow = copy.deepcopy(model)  # its grads: the optimizer's hooks take the model's p.grad
     opt = cls(model.parameters(), **hyper, bucket_cap_mb=8000 * 4 / 2**20, offload=offload)
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=device).manual_seed(1)
     record = []
     for _ in range(steps):
-        x = torch.randn(16, 64, generator=gen, device="cuda")
+        x = torch.randn(16, 64, generator=gen, device=device)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad(set_to_none=True)
+        shadow(x).float().pow(2).mean().backward()
         model(x).float().pow(2).mean().backward()
         before = opt.state_dict()
         rec = {
             "p": [p.detach().cpu().clone() for p in model.parameters()],
-            "g": [p.grad.detach().cpu().clone() for p in model.parameters()],
+            "g": [p.grad.detach().cpu().clone() for p in shadow.parameters()],
             "state": {
                 pid: {k: t.clone() for k, t in e.items() if torch.is_tensor(t)}
                 for pid, e in before["state"].items()
@@ -125,6 +131,7 @@ def run(name: str, offload, steps: int):
         }
         opt.step()
         opt.zero_grad()
+        opt.wait_param_sync()
         after = opt.state_dict()["state"]
         rec["after_p"] = [p.detach().cpu().clone() for p in model.parameters()]
         rec["after_state"] = {
@@ -136,10 +143,10 @@ def run(name: str, offload, steps: int):
     return record
 
 
-def optimizer_stage() -> dict:
+def optimizer_stage(device: str = "cuda") -> dict:
     report = {}
     for name in CLASSES:
-        r0, r1 = run(name, None, 2), run(name, "cpu", 2)
+        r0, r1 = run(name, None, 2, device), run(name, "cpu", 2, device)
         for s, (a, b) in enumerate(zip(r0, r1), 1):
             entry = {
                 "grads_equal": all(torch.equal(x, y) for x, y in zip(a["g"], b["g"])),
@@ -179,14 +186,20 @@ def optimizer_stage() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: the optimizer stage alone, on gloo")
     args = ap.parse_args()
-    torch.cuda.set_device(0)
-    report = {"kernel": kernel_stage()}
+    report = {}
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+        report["kernel"] = kernel_stage()
+        print(json.dumps(report, indent=1), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if args.device == "cuda" else "gloo", store=store, rank=0, world_size=1
+        )
         try:
-            report["optimizer"] = optimizer_stage()
+            report["optimizer"] = optimizer_stage(args.device)
         finally:
             dist.destroy_process_group()
     text = json.dumps(report, indent=1)
