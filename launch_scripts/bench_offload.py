@@ -341,7 +341,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     env = environment(torch.device(args.device))
-    threads_env = ("OMP_NUM_THREADS", "BENCH_OFFLOAD_THREADS")
+    threads_env = (
+        "OMP_NUM_THREADS",
+        "OMP_WAIT_POLICY",
+        "BENCH_OFFLOAD_THREADS",
+        "BENCH_OFFLOAD_HUGE_PAGES",
+        "BENCH_OFFLOAD_BLOCKING_SYNC",
+    )
     env["offload_threads_env"] = {k: os.environ[k] for k in threads_env if k in os.environ}
     args.report = {
         "environment": env,

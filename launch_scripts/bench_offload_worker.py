@@ -269,6 +269,31 @@ def measure(spec: Spec) -> dict[str, Any]:
     return record
 
 
+def blocking_sync() -> bool:
+    """BENCH_OFFLOAD_BLOCKING_SYNC=1: the GPU's primary context is made with
+    CU_CTX_SCHED_BLOCKING_SYNC, before torch makes it, so host threads waiting on the GPU sleep
+    instead of spinning on a core the CPU update could use (CUDA's default on a host with more
+    cores than contexts is to spin). Whether the flag was set."""
+    if os.environ.get("BENCH_OFFLOAD_BLOCKING_SYNC") != "1":
+        return False
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev = ctypes.c_int()
+    set_flags = (
+        getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
+    )
+    for name, rc in (
+        ("cuInit", lambda: cuda.cuInit(0)),
+        ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), 0)),
+        ("cuDevicePrimaryCtxSetFlags", lambda: set_flags(dev, 0x04)),  # BLOCKING_SYNC
+    ):
+        code = rc()
+        if code != 0:
+            raise RuntimeError(f"BENCH_OFFLOAD_BLOCKING_SYNC: {name} failed with CUresult {code}")
+    return True
+
+
 def main() -> None:
     # a host OOM picks this process first, not the benchmark driver or the machine's agent
     try:
@@ -278,7 +303,9 @@ def main() -> None:
         pass
     fields = json.loads(sys.argv[1])
     fields["clips"] = tuple(fields.get("clips", (False,)))
+    blocking = blocking_sync()
     record = measure(Spec(**fields))
+    record["blocking_sync"] = blocking
     print(RESULT_PREFIX + json.dumps(record, default=str), flush=True)
 
 

@@ -8,10 +8,10 @@ first steps with and without offload, each mismatching element's inputs printed 
    CPU (host step) and on CUDA with a host step and with a device ``step_t`` (as the distributed
    classes call it), steps 1-3: mismatch counts per output and the first elements.
 2. Optimizer: ``DistributedFused{Adam,LAMB,NovoGrad}`` at world 1 (NCCL), the model and
-   hyperparameters of tests/offload/test_offload_cuda.py, fp32 params, steps 1-2 with and without
-   ``offload="cpu"``: grads (a copy of the model's, whose p.grad the optimizer's hooks take)
-   compared first (the same GPU computes both), then params and moments;
-   for Adam each mismatching element's inputs, both results and fp32 recomputations of the
+   hyperparameters of tests/offload/test_offload_cuda.py, fp32 and bf16 params, steps 1-2 with
+   and without ``offload="cpu"``: grads (a copy of the model's, whose p.grad the optimizer's
+   hooks take) compared first (the same GPU computes both), then params and moments; for Adam
+   with fp32 params each mismatching element's inputs, both results and fp32 recomputations of the
    formula of csrc/optim/adam_math.h with the bias corrections as the host and as fp32 give them.
 """
 
@@ -79,14 +79,18 @@ def kernel_stage(n: int = 1 << 22) -> dict:
             entry = {}
             for k in ("p", "m", "v", "out"):
                 a, b = runs["cpu"][k], runs[name][k]
-                bad = (a.view(torch.int32 if a.dtype == torch.float32 else torch.int16)
-                       != b.view(torch.int32 if b.dtype == torch.float32 else torch.int16))  # fmt: skip
+                bits = torch.int32 if a.dtype == torch.float32 else torch.int16
+                bad = a.view(bits) != b.view(bits)
                 entry[k] = int(bad.sum())
             idx = (runs["cpu"]["p"] != runs[name]["p"]).nonzero().flatten()[:5].tolist()
             entry["first"] = [
                 {
-                    "in": {"p": hexf(p0[i]), "g": hexf(g[i].float()), "m": hexf(m0[i]),
-                           "v": hexf(v0[i])},  # fmt: skip
+                    "in": {
+                        "p": hexf(p0[i]),
+                        "g": hexf(g[i].float()),
+                        "m": hexf(m0[i]),
+                        "v": hexf(v0[i]),
+                    },  # fmt: skip
                     "cpu_p": hexf(runs["cpu"]["p"][i]),
                     name + "_p": hexf(runs[name]["p"][i]),
                     "fp32_formula_host_bc": recompute(p0[i], g[i].float(), m0[i], v0[i], t, False),
@@ -106,16 +110,16 @@ CLASSES = {
 }
 
 
-def run(name: str, offload, steps: int, device: str = "cuda"):
+def run(name: str, offload, steps: int, device: str = "cuda", dtype=torch.float32):
     cls, hyper = CLASSES[name]
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 70)).to(device)
+    model = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 70)).to(device, dtype)
     shadow = copy.deepcopy(model)  # its grads: the optimizer's hooks take the model's p.grad
     opt = cls(model.parameters(), **hyper, bucket_cap_mb=8000 * 4 / 2**20, offload=offload)
     gen = torch.Generator(device=device).manual_seed(1)
     record = []
     for _ in range(steps):
-        x = torch.randn(16, 64, generator=gen, device=device)
+        x = torch.randn(16, 64, generator=gen, device=device).to(dtype)
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad(set_to_none=True)
         shadow(x).float().pow(2).mean().backward()
@@ -143,10 +147,10 @@ def run(name: str, offload, steps: int, device: str = "cuda"):
     return record
 
 
-def optimizer_stage(device: str = "cuda") -> dict:
+def optimizer_stage(device: str = "cuda", dtype=torch.float32) -> dict:
     report = {}
     for name in CLASSES:
-        r0, r1 = run(name, None, 2, device), run(name, "cpu", 2, device)
+        r0, r1 = run(name, None, 2, device, dtype), run(name, "cpu", 2, device, dtype)
         for s, (a, b) in enumerate(zip(r0, r1), 1):
             entry = {
                 "grads_equal": all(torch.equal(x, y) for x, y in zip(a["g"], b["g"])),
@@ -161,7 +165,7 @@ def optimizer_stage(device: str = "cuda") -> dict:
                     if t.dim() > 0
                 },
             }
-            if name == "Adam":
+            if name == "Adam" and dtype == torch.float32:
                 first = []
                 for pi, (x, y) in enumerate(zip(a["after_p"], b["after_p"])):
                     for i in (x != y).flatten().nonzero().flatten()[:3].tolist():
@@ -187,6 +191,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: the optimizer stage alone, on gloo")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="the optimizer stage's param dtypes")
     args = ap.parse_args()
     report = {}
     if args.device == "cuda":
@@ -199,7 +204,9 @@ def main() -> None:
             "nccl" if args.device == "cuda" else "gloo", store=store, rank=0, world_size=1
         )
         try:
-            report["optimizer"] = optimizer_stage(args.device)
+            for name in args.dtypes.split(","):
+                dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+                report[f"optimizer_{name}"] = optimizer_stage(args.device, dtype)
         finally:
             dist.destroy_process_group()
     text = json.dumps(report, indent=1)

@@ -46,7 +46,9 @@ def _time_ms(fn, device: torch.device, repeat: int = 3) -> float:
 
 
 def _adam_ms(
-    device: torch.device, grad_dtype: torch.dtype = torch.float32, out_dtype: torch.dtype | None = None
+    device: torch.device,
+    grad_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
 ) -> float:
     """Per-element time of an Adam update on ``device``: fp32 masters and moments, grads in
     ``grad_dtype``, the new params also written in ``out_dtype`` when given (the offload kernel's
