@@ -1,8 +1,8 @@
 """CPU offload on one GPU (NCCL, world 1): offload against no offload, memory, staging slots.
 
 On CUDA the CPU kernels replace the CUDA ones for offloaded keys. ``test_offload_matches_gpu``
-reports per class whether the results are bit-identical and checks the rest stay within one ulp
-per step (fp32 masters and moments); run with ``-s`` to see which classes are exact.
+requires the bits of the CUDA kernels from every class but LAMB, and LAMB's results within one
+ulp per step (fp32 masters and moments); ``-s`` prints each class's differences.
 ``test_worker_overlaps_the_next_forward`` and ``test_worker_overlaps_backward``: the offload
 worker thread with overlap_param_sync, and with updates during backward. ``fraction="auto"``:
 the first steps timed with CUDA events and the re-plan after them
@@ -36,6 +36,9 @@ CLASSES = {
     "Adagrad": (shardopt.DistributedFusedAdagrad, dict(lr=0.05)),
 }
 STEPS = 4
+#: the classes whose offloaded CPU kernels give the CUDA kernels' bits (docs/spec.md, CPU offload
+#: on GPUs); LAMB's per-tensor norms are summed in another order and stay within an ulp per step
+EXACT_ON_CUDA = {"Adam", "NovoGrad", "SGD", "Adagrad"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -97,7 +100,9 @@ def test_offload_matches_gpu(name, dtype):
             if torch.is_tensor(t) and t.dim() > 0:
                 worst = max(worst, _ulps(t, sd1["state"][pid][key]))
     print(f"{name} {dtype}: bit-identical={exact} worst state difference {worst:.1f} fp32 ulps")
-    if not exact:
+    if name in EXACT_ON_CUDA:  # docs/spec.md: only LAMB's norms are summed in another order
+        assert exact and worst == 0.0, (name, dtype, worst)
+    else:
         assert worst <= STEPS * 2, (name, dtype, worst)  # within an ulp per step (and rounding)
         for x, y in zip(h0, h1):
             for a, b in zip(x, y):
