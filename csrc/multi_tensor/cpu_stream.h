@@ -26,41 +26,40 @@ namespace cpu {
 // Elements of the local out buffer per block: 2 KiB of 16-bit values.
 constexpr int64_t kStreamBlock = 1024;
 
+// Copies `bytes` from src to dst, the whole vectors of dst with non-temporal stores (a plain
+// copy where the ISA has none).
 inline void stream_bytes(void* dst, const void* src, size_t bytes) {
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
+#if defined(__SSE2__)
 #if defined(__AVX512F__)
   constexpr size_t kVec = 64;
 #elif defined(__AVX__)
   constexpr size_t kVec = 32;
-#elif defined(__SSE2__)
-  constexpr size_t kVec = 16;
 #else
-  constexpr size_t kVec = 0;
+  constexpr size_t kVec = 16;
 #endif
-  if constexpr (kVec == 0) {
-    std::memcpy(d, s, bytes);
-    return;
-  } else {
-    size_t head = (kVec - reinterpret_cast<uintptr_t>(d) % kVec) % kVec;
-    if (head > bytes) head = bytes;
-    std::memcpy(d, s, head);
-    d += head;
-    s += head;
-    bytes -= head;
-    for (; bytes >= kVec; bytes -= kVec, d += kVec, s += kVec) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  size_t head = (kVec - reinterpret_cast<uintptr_t>(d) % kVec) % kVec;
+  if (head > bytes) head = bytes;
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  bytes -= head;
+  for (; bytes >= kVec; bytes -= kVec, d += kVec, s += kVec) {
 #if defined(__AVX512F__)
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
 #elif defined(__AVX__)
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-#elif defined(__SSE2__)
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d),
-                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+#else
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
 #endif
-    }
-    std::memcpy(d, s, bytes);
   }
+  std::memcpy(d, s, bytes);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
 }
 
 inline void stream_fence() {
