@@ -7,8 +7,8 @@ first steps with and without offload, each mismatching element's inputs printed 
 1. Kernel: ``shardopt.kernels.adam`` on 4M random fp32 params (bf16 grads, bf16 out slot) on the
    CPU (host step) and on CUDA with a host step and with a device ``step_t`` (as the distributed
    classes call it), steps 1-3: mismatch counts per output and the first elements.
-2. Optimizer: ``DistributedFused{Adam,LAMB,NovoGrad}`` at world 1 (NCCL), the model and
-   hyperparameters of tests/offload/test_offload_cuda.py, fp32 and bf16 params, steps 1-2 with
+2. Optimizer: every ``DistributedFused*`` class at world 1 (NCCL), the model, hyperparameters
+   and four steps of tests/offload/test_offload_cuda.py (``--steps``), fp32 and bf16 params, with
    and without ``offload="cpu"``: grads (a copy of the model's, whose p.grad the optimizer's
    hooks take) compared first (the same GPU computes both), then params and moments; for Adam
    with fp32 params each mismatching element's inputs, both results and fp32 recomputations of the
@@ -107,6 +107,8 @@ CLASSES = {
     "Adam": (shardopt.DistributedFusedAdam, dict(lr=LR, weight_decay=WD)),
     "LAMB": (shardopt.DistributedFusedLAMB, dict(lr=0.02, max_grad_norm=1.0)),
     "NovoGrad": (shardopt.DistributedFusedNovoGrad, dict(lr=0.02, weight_decay=0.01)),
+    "SGD": (shardopt.DistributedFusedSGD, dict(lr=0.05, momentum=0.9)),
+    "Adagrad": (shardopt.DistributedFusedAdagrad, dict(lr=0.05)),
 }
 
 
@@ -147,10 +149,10 @@ def run(name: str, offload, steps: int, device: str = "cuda", dtype=torch.float3
     return record
 
 
-def optimizer_stage(device: str = "cuda", dtype=torch.float32) -> dict:
+def optimizer_stage(device: str = "cuda", dtype=torch.float32, steps: int = 4) -> dict:
     report = {}
     for name in CLASSES:
-        r0, r1 = run(name, None, 2, device, dtype), run(name, "cpu", 2, device, dtype)
+        r0, r1 = run(name, None, steps, device, dtype), run(name, "cpu", steps, device, dtype)
         for s, (a, b) in enumerate(zip(r0, r1), 1):
             entry = {
                 "grads_equal": all(torch.equal(x, y) for x, y in zip(a["g"], b["g"])),
@@ -192,6 +194,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: the optimizer stage alone, on gloo")
     ap.add_argument("--dtypes", default="fp32,bf16", help="the optimizer stage's param dtypes")
+    ap.add_argument("--steps", type=int, default=4, help="the optimizer stage's steps")
     args = ap.parse_args()
     report = {}
     if args.device == "cuda":
@@ -206,7 +209,7 @@ def main() -> None:
         try:
             for name in args.dtypes.split(","):
                 dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-                report[f"optimizer_{name}"] = optimizer_stage(args.device, dtype)
+                report[f"optimizer_{name}"] = optimizer_stage(args.device, dtype, args.steps)
         finally:
             dist.destroy_process_group()
     text = json.dumps(report, indent=1)
