@@ -10,6 +10,10 @@
 #   ds_op     DeepSpeed's CPU Adam op, JIT-built (its offload contenders load this build)
 #   cpu_adam  bench_cpu_adam.py, every core, 268M params (builds DeepSpeed's CPU Adam op first)
 #   bench14   bench_offload.py at 2048 x 24 (1.4B), clipping off and on
+#   settings  the 1.4B offload contender (clipping off and on) once per environment setting in
+#             OFFLOAD_SETTINGS (default: "default BENCH_OFFLOAD_THREADS=12 BENCH_OFFLOAD_THREADS=14
+#             OMP_WAIT_POLICY=PASSIVE BENCH_OFFLOAD_BLOCKING_SYNC=1"), each capped at SETTINGS_S
+#             (80): an A/B of what the step is sensitive to, every row on the same host
 #   bench28   bench_offload.py at 2560 x 32 (2.8B), clipping off and on
 #             (BENCH_ARGS: more bench_offload.py arguments, e.g. "--contenders offload,fsdp2_offload")
 #   largest   bench_offload.py --largest in what is left of the budget (LARGEST_BUDGET_S caps it)
@@ -107,6 +111,12 @@ for s in "${stages[@]}"; do
                 --threads "$NCORES" --out "$LOG/bench_cpu_adam.json" > "$LOG/bench_cpu_adam.log" 2>&1
               sed -n '/^| kernel/,$p' "$LOG/bench_cpu_adam.log" | tee -a "$SUMMARY" ;;
     bench14) bench 1.4b 2048 24 "${BENCH14_S:-200}" ;;
+    settings) read -r -a sets <<< "${OFFLOAD_SETTINGS:-default BENCH_OFFLOAD_THREADS=12 BENCH_OFFLOAD_THREADS=14 OMP_WAIT_POLICY=PASSIVE BENCH_OFFLOAD_BLOCKING_SYNC=1}"
+              for kv in "${sets[@]}"; do
+                echo "-- setting: $kv" | tee -a "$SUMMARY"
+                ( [ "$kv" = default ] || export "${kv?}"
+                  BENCH_ARGS="--contenders offload ${BENCH_ARGS:-}" bench "1.4b_${kv//=/_}" 2048 24 "${SETTINGS_S:-80}" )
+              done ;;
     bench28) bench 2.8b 2560 32 "${BENCH28_S:-260}" ;;
     largest) t=$(allot "${LARGEST_BUDGET_S:-600}")
              if [ "$t" -ge 60 ]; then
