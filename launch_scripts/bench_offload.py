@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "BENCH_OFFLOAD_THREADS",
         "BENCH_OFFLOAD_HUGE_PAGES",
         "BENCH_OFFLOAD_BLOCKING_SYNC",
+        "BENCH_OFFLOAD_SWITCH_INTERVAL",
     )
     env["offload_threads_env"] = {k: os.environ[k] for k in threads_env if k in os.environ}
     args.report = {

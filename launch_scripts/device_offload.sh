@@ -7,6 +7,11 @@
 # this order):
 #   tests     tests/offload/test_offload_cuda.py (exactness and memory under NCCL, world 1), or the test
 #             files (pytest arguments) in OFFLOAD_TESTS
+#   bits      probe_offload_bits.py: the CPU and CUDA kernels on the same inputs, every distributed
+#             class with and without offload element by element (cap BITS_S, 120)
+#   trace     trace_offload.py at 2048 x 24, clipping off and on, once per environment setting in
+#             TRACE_SETTINGS (default: "default BENCH_OFFLOAD_SWITCH_INTERVAL=0.0002"; the
+#             switch interval becomes --switch-interval), each capped at TRACE_S (60)
 #   ds_op     DeepSpeed's CPU Adam op, JIT-built (its offload contenders load this build)
 #   cpu_adam  bench_cpu_adam.py, every core, 268M params (builds DeepSpeed's CPU Adam op first)
 #   bench14   bench_offload.py at 2048 x 24 (1.4B), clipping off and on
@@ -105,6 +110,25 @@ for s in "${stages[@]}"; do
              > "$LOG/test_offload_cuda.log" 2>&1
            grep -E "^(FAILED|ERROR)" "$LOG/test_offload_cuda.log" | head -20 | tee -a "$SUMMARY"
            tail -1 "$LOG/test_offload_cuda.log" | tee -a "$SUMMARY" ;;
+    bits) timeout "$(allot "${BITS_S:-120}")" python3 launch_scripts/probe_offload_bits.py \
+            --out "$LOG/probe_offload_bits.json" > "$LOG/probe_offload_bits.log" 2>&1
+          echo "probe_offload_bits: exit code $?" | tee -a "$SUMMARY"
+          tail -25 "$LOG/probe_offload_bits.log" | tee -a "$SUMMARY" ;;
+    trace) read -r -a sets <<< "${TRACE_SETTINGS:-default BENCH_OFFLOAD_SWITCH_INTERVAL=0.0002}"
+           for kv in "${sets[@]}"; do
+             extra=()
+             [ "${kv%%=*}" = BENCH_OFFLOAD_SWITCH_INTERVAL ] && extra=(--switch-interval "${kv#*=}")
+             for clip in off on; do
+               t=$(allot "${TRACE_S:-60}")
+               [ "$t" -ge 30 ] || { echo "trace $kv clip $clip skipped: time budget spent" | tee -a "$SUMMARY"; continue; }
+               echo "-- trace: $kv, clip $clip" | tee -a "$SUMMARY"
+               ( [ "$kv" = default ] || export "${kv?}"
+                 timeout "$t" python3 launch_scripts/trace_offload.py --clip "$clip" "${extra[@]}" \
+                   > "$LOG/trace_${kv//=/_}_$clip.log" 2>&1 )
+               grep -E "iteration ms|kernel|update |job |wait_bucket|step\(\)|forward|backward" \
+                 "$LOG/trace_${kv//=/_}_$clip.log" | head -24 | tee -a "$SUMMARY"
+             done
+           done ;;
     ds_op) ds_op ;;
     cpu_adam) ds_op
               OMP_NUM_THREADS=$NCORES timeout "$(allot 150)" python3 launch_scripts/bench_cpu_adam.py \

@@ -1,12 +1,15 @@
 """Timeline of one offloaded training iteration of the bench's GPT (one GPU, NCCL world 1).
 
-    PYTHONPATH=.:launch_scripts python3 launch_scripts/trace_offload.py --clip off|on
+    PYTHONPATH=.:launch_scripts python3 launch_scripts/trace_offload.py --clip off|on \
+        [--switch-interval S]
 
 Wraps the offload pipeline's methods (staging, each bucket's update, the worker's CUDA event
 waits, the main thread's waits for buckets) with host timestamps and prints, for one iteration
 after warm-up and for the next forward, each one's count, total time and first start / last end
 in ms from the iteration's start (threads: ``MainThre`` the training loop, ``shardopt`` the
-offload worker).
+offload worker). ``kernel``: the Adam kernel calls as Python sees them (the C++ time plus the
+wait for the GIL when the call returns); ``--switch-interval``: ``sys.setswitchinterval`` for the
+run (Python's default 0.005 s), to see how much of the worker's time is spent waiting for the GIL.
 """
 
 import argparse
@@ -21,6 +24,7 @@ sys.path.insert(0, "launch_scripts")
 from bench_offload_peers import build, model_config  # noqa: E402
 from bench_offload_worker import init_process_group  # noqa: E402
 
+import shardopt.kernels as kernels  # noqa: E402
 import shardopt.zero.engine as eng  # noqa: E402
 import shardopt.zero.offload_pipeline as op  # noqa: E402
 import shardopt.zero.offload_worker as ow  # noqa: E402
@@ -31,7 +35,11 @@ p.add_argument("--clip", default="off")
 p.add_argument("--width", type=int, default=2048)
 p.add_argument("--depth", type=int, default=24)
 p.add_argument("--steps", type=int, default=4)
+p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s)")
 args = p.parse_args()
+if args.switch_interval is not None:
+    sys.setswitchinterval(args.switch_interval)
+print("switch interval s:", sys.getswitchinterval())
 
 T0 = [0.0]
 EV = []  # (thread, name, start, end)
@@ -71,6 +79,7 @@ wrap(ow.Progress, "wait_finished", "wait_finished")
 wrap(ow.Progress, "publish", "publish")
 wrap(torch.cuda.Event, "synchronize", "ev_sync")
 wrap(eng.DistributedOptimizer, "step", "step()")
+wrap(kernels, "adam", "kernel")
 
 init_process_group("nccl")
 dev = torch.device("cuda", 0)
