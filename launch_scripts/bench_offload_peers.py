@@ -168,13 +168,18 @@ def _shardopt(
         # updates during backward only where the step does not clip (exact only then)
         # BENCH_OFFLOAD_THREADS: the update's CPU threads (default: CPUOffload's);
         # BENCH_OFFLOAD_HUGE_PAGES=1/0: CPUOffload(huge_pages=True/False) (default: CPUOffload's)
+        # BENCH_OFFLOAD_SWITCH_INTERVAL=S|none: CPUOffload(switch_interval=S|None)
         threads = os.environ.get("BENCH_OFFLOAD_THREADS")
         huge = huge_pages()
+        extra: dict[str, Any] = {} if huge is None else {"huge_pages": huge}
+        interval = os.environ.get("BENCH_OFFLOAD_SWITCH_INTERVAL")
+        if interval:
+            extra["switch_interval"] = None if interval == "none" else float(interval)
         kwargs["offload"] = shardopt.CPUOffload(
             fraction=offload,
             overlap_backward=overlap_backward,
             threads=int(threads) if threads else None,
-            **({"huge_pages": huge} if huge is not None else {}),
+            **extra,
         )
     try:
         opt = shardopt.DistributedFusedAdam(

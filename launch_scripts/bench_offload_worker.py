@@ -294,17 +294,6 @@ def blocking_sync() -> bool:
     return True
 
 
-def switch_interval() -> float | None:
-    """BENCH_OFFLOAD_SWITCH_INTERVAL=S: ``sys.setswitchinterval(S)`` (Python's default 0.005 s:
-    how long a thread that wants the GIL waits before the holder is asked to drop it), for an
-    A/B of the offload worker thread's waits for the GIL. The interval set, or None."""
-    value = os.environ.get("BENCH_OFFLOAD_SWITCH_INTERVAL")
-    if not value:
-        return None
-    sys.setswitchinterval(float(value))
-    return sys.getswitchinterval()
-
-
 def main() -> None:
     # a host OOM picks this process first, not the benchmark driver or the machine's agent
     try:
@@ -315,10 +304,8 @@ def main() -> None:
     fields = json.loads(sys.argv[1])
     fields["clips"] = tuple(fields.get("clips", (False,)))
     blocking = blocking_sync()
-    interval = switch_interval()
     record = measure(Spec(**fields))
     record["blocking_sync"] = blocking
-    record["switch_interval_s"] = interval
     print(RESULT_PREFIX + json.dumps(record, default=str), flush=True)
 
 

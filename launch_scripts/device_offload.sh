@@ -10,8 +10,8 @@
 #   bits      probe_offload_bits.py: the CPU and CUDA kernels on the same inputs, every distributed
 #             class with and without offload element by element (cap BITS_S, 120)
 #   trace     trace_offload.py at 2048 x 24, clipping off and on, once per environment setting in
-#             TRACE_SETTINGS (default: "default BENCH_OFFLOAD_SWITCH_INTERVAL=0.0002"; the
-#             switch interval becomes --switch-interval), each capped at TRACE_S (60)
+#             TRACE_SETTINGS (default: "default BENCH_OFFLOAD_SWITCH_INTERVAL=none"), each capped
+#             at TRACE_S (60)
 #   ds_op     DeepSpeed's CPU Adam op, JIT-built (its offload contenders load this build)
 #   cpu_adam  bench_cpu_adam.py, every core, 268M params (builds DeepSpeed's CPU Adam op first)
 #   bench14   bench_offload.py at 2048 x 24 (1.4B), clipping off and on
@@ -114,19 +114,17 @@ for s in "${stages[@]}"; do
             --out "$LOG/probe_offload_bits.json" > "$LOG/probe_offload_bits.log" 2>&1
           echo "probe_offload_bits: exit code $?" | tee -a "$SUMMARY"
           tail -25 "$LOG/probe_offload_bits.log" | tee -a "$SUMMARY" ;;
-    trace) read -r -a sets <<< "${TRACE_SETTINGS:-default BENCH_OFFLOAD_SWITCH_INTERVAL=0.0002}"
+    trace) read -r -a sets <<< "${TRACE_SETTINGS:-default BENCH_OFFLOAD_SWITCH_INTERVAL=none}"
            for kv in "${sets[@]}"; do
-             extra=()
-             [ "${kv%%=*}" = BENCH_OFFLOAD_SWITCH_INTERVAL ] && extra=(--switch-interval "${kv#*=}")
              for clip in off on; do
                t=$(allot "${TRACE_S:-60}")
                [ "$t" -ge 30 ] || { echo "trace $kv clip $clip skipped: time budget spent" | tee -a "$SUMMARY"; continue; }
                echo "-- trace: $kv, clip $clip" | tee -a "$SUMMARY"
                ( [ "$kv" = default ] || export "${kv?}"
-                 timeout "$t" python3 launch_scripts/trace_offload.py --clip "$clip" "${extra[@]}" \
+                 timeout "$t" python3 launch_scripts/trace_offload.py --clip "$clip" \
                    > "$LOG/trace_${kv//=/_}_$clip.log" 2>&1 )
-               grep -E "iteration ms|kernel|update |job |wait_bucket|step\(\)|forward|backward" \
-                 "$LOG/trace_${kv//=/_}_$clip.log" | head -24 | tee -a "$SUMMARY"
+               grep -E "interval|iteration ms|kernel|update|job |wait_bucket|ev_sync|step\(\)|forward|backward|submit_early" \
+                 "$LOG/trace_${kv//=/_}_$clip.log" | head -44 | tee -a "$SUMMARY"
              done
            done ;;
     ds_op) ds_op ;;

@@ -1,15 +1,15 @@
 """Timeline of one offloaded training iteration of the bench's GPT (one GPU, NCCL world 1).
 
-    PYTHONPATH=.:launch_scripts python3 launch_scripts/trace_offload.py --clip off|on \
-        [--switch-interval S]
+    PYTHONPATH=.:launch_scripts python3 launch_scripts/trace_offload.py --clip off|on
 
 Wraps the offload pipeline's methods (staging, each bucket's update, the worker's CUDA event
 waits, the main thread's waits for buckets) with host timestamps and prints, for one iteration
 after warm-up and for the next forward, each one's count, total time and first start / last end
 in ms from the iteration's start (threads: ``MainThre`` the training loop, ``shardopt`` the
 offload worker). ``kernel``: the Adam kernel calls as Python sees them (the C++ time plus the
-wait for the GIL when the call returns); ``--switch-interval``: ``sys.setswitchinterval`` for the
-run (Python's default 0.005 s), to see how much of the worker's time is spent waiting for the GIL.
+wait for the GIL when the call returns). The optimizer is the bench's (bench_offload_peers.py),
+so its environment settings apply: e.g. BENCH_OFFLOAD_SWITCH_INTERVAL=none leaves Python's
+switch interval at its default (CPUOffload(switch_interval=None)).
 """
 
 import argparse
@@ -35,11 +35,7 @@ p.add_argument("--clip", default="off")
 p.add_argument("--width", type=int, default=2048)
 p.add_argument("--depth", type=int, default=24)
 p.add_argument("--steps", type=int, default=4)
-p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s)")
 args = p.parse_args()
-if args.switch_interval is not None:
-    sys.setswitchinterval(args.switch_interval)
-print("switch interval s:", sys.getswitchinterval())
 
 T0 = [0.0]
 EV = []  # (thread, name, start, end)
@@ -73,6 +69,7 @@ def wrap(cls, attr, name):
 
 wrap(op.OffloadPipeline, "_stage", "stage")
 wrap(op.OffloadPipeline, "_run", "job")
+wrap(op.OffloadPipeline, "submit_early", "submit_early")
 wrap(zo.DistributedFusedAdam, "_update", "update")
 wrap(ow.Progress, "wait_bucket", "wait_bucket")
 wrap(ow.Progress, "wait_finished", "wait_finished")
@@ -116,6 +113,7 @@ for it in range(args.steps + 2):
     torch.cuda.synchronize()
     rec("sync", s, time.perf_counter())
     times.append((time.perf_counter() - T0[0]) * 1e3)
+print("switch interval s (while the worker runs):", sys.getswitchinterval())
 print("iteration ms (to sync after step):", [round(t, 1) for t in times])
 
 
@@ -139,6 +137,13 @@ def report(title):
     )
     syn = [(round(a), round(b - a, 1)) for th, n, a, b in EV if n == "ev_sync"]
     print("  ev_sync:", syn[:6], "...", syn[-4:])
+    print("  ev_sync over 0.5 ms (start, dur):", [x for x in syn if x[1] > 0.5])
+    early = [round(a, 1) for th, n, a, b in EV if n == "submit_early"]
+    print("  submit_early starts:", early)
+    print(
+        "  update starts after the forward:",
+        [(round(a), round(b - a, 1)) for a, b in ups if a > min([e for e in early] or [1e9]) - 1],
+    )
 
 
 report("traced iteration:")

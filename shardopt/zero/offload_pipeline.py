@@ -128,6 +128,7 @@ class OffloadPipeline:
         pin: bool,
         overlap_backward=False,
         huge_pages: bool = False,
+        switch_interval: float | None = None,
     ) -> None:
         self.cuda = device.type == "cuda"
         pin = pin and self.cuda
@@ -150,7 +151,7 @@ class OffloadPipeline:
             if buf.master_kind == "remainder":  # the bf16 half of the masters, down and up
                 self.param_slots[key.index] = ring(buf.param_space.dtype)
         #: the thread that runs the offloaded updates (started by the first step)
-        self.worker = OffloadWorker(device)
+        self.worker = OffloadWorker(device, switch_interval)
         #: the updates that start during backward (offload_backward.py)
         self.early = EarlyUpdates(overlap_backward)
         #: buckets handed over during backward not yet taken by the worker, by step (the
@@ -173,6 +174,7 @@ class OffloadPipeline:
             settings.pin_memory,
             settings.overlap_backward if optimizer.redundant_process_group is None else False,
             settings.huge_pages,
+            settings.switch_interval,
         )  # fmt: skip (HSDP: the grads take one more all-reduce after the reduce-scatters)
         # the last step's all-gathers still with the worker start before the next grad sync
         optimizer.grad_sync.before_sync = optimizer.param_sync.flush

@@ -61,6 +61,12 @@ class CPUOffload:
             starts staggered: fewer TLB misses for the DRAM-bound update. Off by default until
             it is measured faster end to end (Note: huge pages for host state in
             shardopt/zero/host_memory.py says what was measured). The values do not depend on it.
+        switch_interval: seconds; while an offload worker thread runs, the interpreter's thread
+            switch interval (``sys.setswitchinterval``) is lowered to this when it is larger, and
+            put back when the last worker stops. The worker takes the GIL back after every
+            kernel and copy call, and with Python's default (0.005 s) it can wait that long each
+            time the training loop holds the GIL, with the update's threads idle (see Note: the
+            worker and the GIL in shardopt/zero/offload_worker.py). None: leave it as it is.
     """
 
     fraction: Fraction = 1.0
@@ -69,6 +75,7 @@ class CPUOffload:
     staging_slots: int = 4
     overlap_backward: bool | Literal["auto"] = False
     huge_pages: bool = False
+    switch_interval: float | None = 2e-4
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,12 @@ def resolve(owner: str, offload: object) -> CPUOffload | None:
         value = getattr(offload, flag)
         if not isinstance(value, bool):
             raise TypeError(f"{owner}: CPUOffload.{flag} must be a bool, got {value!r}")
+    si = offload.switch_interval
+    if si is not None and (isinstance(si, bool) or not isinstance(si, int | float) or not si > 0):
+        raise ValueError(
+            f"{owner}: CPUOffload.switch_interval must be a positive number of seconds or None, "
+            f"got {si!r}"
+        )
     ob = offload.overlap_backward
     if not isinstance(ob, bool) and ob != "auto":
         raise ValueError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 import traceback
@@ -34,7 +35,7 @@ from torch import nn
 import shardopt
 from shardopt import checkpoint
 from shardopt.zero.offload_plan import plan_fraction, split_params, thread_budget
-from shardopt.zero.offload_worker import Progress
+from shardopt.zero.offload_worker import Progress, _SwitchInterval
 
 ROOT = "SHARDOPT_TEST_OFFLOAD_ROOT"
 BF16 = torch.bfloat16
@@ -289,13 +290,15 @@ def worker(rank, world):
     (Adam bf16 and Adagrad fp32, lr changed right after step); step() returns before the worker
     is done and a forward waits only for its own buckets; the thread stops on close(); an
     error in the worker is raised on the main thread (on every rank at the next sync point,
-    and no rank hangs when only one rank's worker fails)."""
+    and no rank hangs when only one rank's worker fails). While a worker runs, the switch
+    interval is at most CPUOffload.switch_interval's."""
     for name, dtype in (("Adam", BF16), ("Adagrad", torch.float32)):
         h0, sd0, _ = _overlapped(name, dtype, None, rank)
         h1, sd1, opt = _overlapped(name, dtype, "cpu", rank)
         _same(h0, h1, f"{name} params with overlap")
         _same(sd0, sd1, f"{name} state_dict with overlap")
         assert opt._offload_pipeline.worker.alive
+        assert sys.getswitchinterval() <= 2e-4 * (1 + 1e-9)
         opt.close()
         assert not opt._offload_pipeline.worker.alive
     model = _model(BF16)
@@ -537,6 +540,8 @@ def refusals(rank, world):
         (shardopt.CPUOffload(staging_slots=0), ValueError, "staging_slots"),
         (shardopt.CPUOffload(overlap_backward="yes"), ValueError, "overlap_backward"),
         (shardopt.CPUOffload(huge_pages=1), TypeError, "huge_pages"),
+        (shardopt.CPUOffload(switch_interval=0), ValueError, "switch_interval"),
+        (shardopt.CPUOffload(switch_interval="short"), ValueError, "switch_interval"),
     ]
     for bad, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -698,10 +703,41 @@ def test_thread_budget_splits_the_cores(monkeypatch, cores, local, want):
     assert thread_budget(None, {"LOCAL_WORLD_SIZE": local} if local else {}) == want
 
 
+def test_switch_interval_is_lowered_while_workers_run_and_put_back():
+    """Note: the worker and the GIL: the smallest interval asked for is in effect while any
+    worker holds one; the previous value is back after the last release, unless it was changed
+    meanwhile by someone else."""
+    saved = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        si = _SwitchInterval()
+        si.acquire(2e-4)
+        assert sys.getswitchinterval() == pytest.approx(2e-4)
+        si.acquire(1e-3)  # larger: the smaller one stays
+        assert sys.getswitchinterval() == pytest.approx(2e-4)
+        si.acquire(1e-4)
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+        si.release()
+        si.release()
+        assert sys.getswitchinterval() == pytest.approx(1e-4)  # one holder left
+        si.release()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        si.acquire(2e-4)
+        sys.setswitchinterval(0.01)  # the user's own change wins
+        si.release()
+        assert sys.getswitchinterval() == pytest.approx(0.01)
+        si.acquire(0.02)  # never raised
+        assert sys.getswitchinterval() == pytest.approx(0.01)
+        si.release()
+        assert sys.getswitchinterval() == pytest.approx(0.01)
+    finally:
+        sys.setswitchinterval(saved)
+
+
 def test_public_api():
     assert "CPUOffload" in shardopt.__all__
     c = shardopt.CPUOffload()
     assert (c.fraction, c.pin_memory, c.threads, c.staging_slots) == (1.0, True, None, 4)
-    assert c.huge_pages is False
+    assert c.huge_pages is False and c.switch_interval == 2e-4
     with pytest.raises(AttributeError):
         c.fraction = 0.5  # frozen
