@@ -26,6 +26,14 @@ def one_line(record: dict[str, Any]) -> str:
     return ", ".join(parts + mem)
 
 
+def _last_step_peak(record: dict, clip: bool) -> float | None:
+    """The GPU peak of the last timed step of ``record``'s phase with ``clip`` (None: absent)."""
+    for phase in record.get("phases", []):
+        if phase.get("clip") == clip:
+            return phase.get("gpu_peak_last_step_gib")
+    return None
+
+
 def step_ms(records: dict[str, Any], name: str, clip: bool) -> float | None:
     """Contender ``name``'s median step at the clip setting ``clip``, if it ran."""
     for p in records.get(name, {}).get("phases", []):
@@ -108,11 +116,15 @@ def full_offload_target(records: dict[str, Any]) -> dict[str, Any]:
             continue
         out[f"auto_clip{int(clip)}_over_no_offload"] = ms / ref
         saved = ""
-        if "gpu_peak_gib" in auto and "gpu_peak_gib" in base:
+        steady = [_last_step_peak(r, clip) for r in (auto, base)]
+        if None not in steady:
             saved = (
-                f", GPU peak {auto['gpu_peak_gib']:.1f} GiB against {base['gpu_peak_gib']:.1f} "
-                f"({base['gpu_peak_gib'] - auto['gpu_peak_gib']:.1f} GiB saved)"
+                f", the last timed step's GPU peak {steady[0]:.1f} GiB against "
+                f"{steady[1]:.1f} ({steady[1] - steady[0]:.1f} GiB saved)"
             )
+        gib = auto.get("offload_plan", {}).get("device_bytes_saved")
+        if gib is not None:
+            saved += f"; state moved to the host {gib / 2**30:.1f} GiB"
         lines.append(
             f"offload_auto (clip {'on' if clip else 'off'}): {ms / ref:.2f}x no_offload's step "
             f"(target on a model that fits: <= 1.1x){saved}"

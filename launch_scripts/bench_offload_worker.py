@@ -7,7 +7,9 @@ prints the record as one ``BENCH_RESULT <json>`` line on stdout.
 
 Times are medians of CUDA-event intervals around whole steps (forward, backward, clip, step,
 zero_grad) after the warm-up; ``time.perf_counter`` on the CPU. GPU peak is
-``torch.cuda.max_memory_allocated`` since the process started (pinned host memory is not in it);
+``torch.cuda.max_memory_allocated`` since the process started (pinned host memory is not in it),
+and per phase the last timed step's own peak (``gpu_peak_last_step_gib``: the steady state, after
+``fraction="auto"`` re-planned);
 host RSS is VmHWM of /proc/self/status, whose peak is reset after the imports and the process
 group, so ``host_bytes_per_param`` counts what the contender added.
 """
@@ -175,14 +177,18 @@ def run_trainer(spec: Spec, device: torch.device) -> dict[str, Any]:
         for _ in range(2)
     )
     phases = []
+    peak = [0]  # the process's GPU peak before each per-step reset
     try:
         for clip in spec.clips:
             if clip and trainer.clip is None:
                 phases.append({"clip": True, "skipped": trainer.clip_unsupported})
                 continue
-            timer, losses = Interval(device), []
+            timer, losses, step_peaks = Interval(device), [], []
             for it in range(spec.warmup + spec.steps):
                 timed = it >= spec.warmup
+                if timed and device.type == "cuda":  # each timed step's own GPU peak
+                    peak[0] = max(peak[0], torch.cuda.max_memory_allocated(device))
+                    torch.cuda.reset_peak_memory_stats(device)
                 if timed:
                     timer.start()
                 with torch.autocast(device.type, torch.bfloat16, enabled=trainer.autocast):
@@ -193,6 +199,8 @@ def run_trainer(spec: Spec, device: torch.device) -> dict[str, Any]:
                 trainer.step()
                 if timed:
                     timer.stop()
+                    if device.type == "cuda":
+                        step_peaks.append(torch.cuda.max_memory_allocated(device) / GIB)
                 losses.append(loss.detach())
             times = timer.times_ms()
             phases.append(
@@ -201,9 +209,13 @@ def run_trainer(spec: Spec, device: torch.device) -> dict[str, Any]:
                     "step_ms": statistics.median(times),
                     "times_ms": times,
                     "losses": [float(x) for x in losses],
+                    # the last timed step's GPU peak: the steady state (after an auto re-plan)
+                    **({"gpu_peak_last_step_gib": step_peaks[-1]} if step_peaks else {}),
                 }
             )
         record = {"phases": phases, "settings": trainer.settings}
+        if device.type == "cuda":
+            record["gpu_peak_bytes"] = max(peak[0], torch.cuda.max_memory_allocated(device))
         record.update(offload_record(trainer.optimizer))
         return record
     finally:
@@ -262,7 +274,8 @@ def measure(spec: Spec) -> dict[str, Any]:
     record["host_peak_rss_gib"] = rss["VmHWM"] / GIB
     record["host_bytes_per_param"] = (rss["VmHWM"] - rss_start) / n_params
     if device.type == "cuda":
-        record["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        process_peak = max(record.pop("gpu_peak_bytes", 0), torch.cuda.max_memory_allocated(device))
+        record["gpu_peak_gib"] = process_peak / GIB
     for phase in record["phases"]:
         if "step_ms" in phase:
             phase["tokens_per_s"] = spec.batch * spec.seq / (phase["step_ms"] / 1e3)

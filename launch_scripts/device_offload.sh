@@ -21,7 +21,8 @@
 #             (80): an A/B of what the step is sensitive to, every row on the same host
 #   bench28   bench_offload.py at 2560 x 32 (2.8B), clipping off and on
 #             (BENCH_ARGS: more bench_offload.py arguments, e.g. "--contenders offload,fsdp2_offload")
-#   largest   bench_offload.py --largest in what is left of the budget (LARGEST_BUDGET_S caps it)
+#   largest   bench_offload.py --largest in what is left of the budget (LARGEST_BUDGET_S caps it;
+#             LARGEST_ARGS: more of its arguments, e.g. "--largest-contenders deepspeed_offload")
 # Each stage gets at most its cap and never more than what is left; a bench that runs out of time
 # records its remaining contenders as skipped. Whatever did not fit runs in a second call on the
 # warm machine (the build is kept in .build): bash launch_scripts/device_offload.sh bench28 largest
@@ -143,7 +144,7 @@ for s in "${stages[@]}"; do
     largest) t=$(allot "${LARGEST_BUDGET_S:-600}")
              if [ "$t" -ge 60 ]; then
                timeout "$t" python3 launch_scripts/bench_offload.py --largest --budget-s $((t - 10)) \
-                 --attempt-timeout-s 150 --log-dir "$LOG/workers_largest" --out "$LOG/bench_offload_largest.json" \
+                 --attempt-timeout-s 150 ${LARGEST_ARGS:-} --log-dir "$LOG/workers_largest" --out "$LOG/bench_offload_largest.json" \
                  > "$LOG/bench_offload_largest.log" 2>&1
                grep -E "^  |^\|" "$LOG/bench_offload_largest.log" | tee -a "$SUMMARY"
              else

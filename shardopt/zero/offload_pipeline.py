@@ -34,9 +34,12 @@ Note: the worker's order during backward
     order: run one by one as they came, the bucket the forward needs first would be updated last
     and the forward would wait for the whole update. So buckets handed over during backward are
     queued (``submit_early``) and one job drains the queue: it takes every bucket queued so far,
-    sorted the way the forward needs them, updates them with the next bucket's grads staged
-    during the current one's update, and takes a bucket queued meanwhile that the forward needs
-    sooner right after the bucket in hand (``_preempted``). When backward ends the rest go in
+    sorted the way the forward needs them, and before each bucket's update merges the buckets
+    queued meanwhile into the rest in that order (``refill``), so a bucket the forward needs
+    sooner comes right after the bucket in hand, and the next bucket's grads are staged during
+    the current one's update (taking the new bucket in a job of its own left its grad copy
+    unoverlapped: 1.6-1.9 ms per bucket in backward on one H200, launch_scripts/trace_offload.py,
+    seventh session). When backward ends the rest go in
     forward order, so the forward starts after the first of them. The order does not change a
     bit: each bucket's update reads and writes only its own part of the state. The worker reads a
     ``frozen_view`` of the optimizer: the param groups and skipped-step
@@ -286,54 +289,56 @@ class OffloadPipeline:
             return entries
 
     def _drain(self, view, scalars, progress: Progress) -> None:
-        """The worker: updates the early buckets queued so far, then those queued meanwhile,
-        until none is left; a bucket queued that the next forward needs before the rest of the
-        batch in hand is taken after the bucket being updated (``_preempted``)."""
+        """The worker: updates the early buckets queued so far, the one the next forward needs
+        first first; before each bucket's update the buckets queued meanwhile join the rest in
+        that order (``refill``), so a bucket the forward needs sooner is the next one, and its
+        grads are staged during the current update."""
+        position = {b: n for n, b in enumerate(progress.order)}
+        grads: dict = {}
+
+        def take(entries: list[tuple]) -> list[tuple]:
+            for _, key, _, grad_shard, ready in entries:
+                grads[key.index] = grad_shard
+                if ready is not None:  # its reduce-scatter, before the grads are staged
+                    with torch.cuda.stream(self.d2h) if self.cuda else contextlib.nullcontext():
+                        ready()
+            return [(key, bucket) for _, key, bucket, _, _ in entries]
+
+        def refill(rest: list[tuple]) -> list[tuple]:
+            with self._pending_lock:
+                entries = self._pending.pop(progress, [])
+            if not entries:
+                return rest
+            merged = rest + take(entries)
+            return sorted(merged, key=lambda kb: position[(kb[0].index, kb[1].index)])
+
         try:
             while entries := self._take_pending(progress):
-                grads = {}
-                for _, key, _, grad_shard, ready in entries:
-                    grads[key.index] = grad_shard
-                    if ready is not None:
-                        with torch.cuda.stream(self.d2h) if self.cuda else contextlib.nullcontext():
-                            ready()
-                work = [(key, bucket) for _, key, bucket, _, _ in entries]
-                positions = [e[0] for e in entries]
-                self._run(view, work, grads, scalars, False, progress, (positions, entries))
+                self._run(view, take(entries), grads, scalars, False, progress, refill)
         except BaseException:
             with self._pending_lock:  # the job's error ends the step; nothing is left queued
                 self._pending.pop(progress, None)
                 self._draining.discard(progress)
             raise
 
-    def _preempted(self, progress: Progress, batch: tuple, n: int) -> bool:
-        """Whether an early bucket queued since ``batch`` (positions, entries) was taken is
-        needed by the next forward before bucket ``n`` of it: then buckets ``n`` on go back to the
-        queue (their reduce-scatter waits are already on the copy stream)."""
-        positions, entries = batch
-        with self._pending_lock:
-            queued = self._pending.get(progress)
-            if not queued or min(e[0] for e in queued) > positions[n]:
-                return False
-            queued.extend((*e[:4], None) for e in entries[n:])
-            return True
-
     def _run(
         self, optimizer, work: list, grads: dict, scalars, skipped: bool, progress,
-        batch: tuple | None = None,
+        refill=None,
     ) -> None:  # fmt: skip
-        """The worker thread: each bucket's update, in ``work``'s order (up to a preemption,
-        for a ``batch`` of ``_drain``)."""
+        """The worker thread: each bucket's update, in ``work``'s order; ``refill`` (``_drain``):
+        called with the buckets still to update before each update and after the last, returns
+        them with the ones queued meanwhile merged in."""
+        work = list(work)
         staged = self._stage(*work[0], grads) if work else None
-        for n, (key, bucket) in enumerate(work):
+        while work:
+            key, bucket = work.pop(0)
             buf = key.buffers
             grad_slot, params, param_slot, event = staged
             ahead = len(self.grad_slots[key.index].buffers) > 1
-            last = n + 1 == len(work) or (
-                batch is not None and self._preempted(progress, batch, n + 1)
-            )
-            if not last and ahead:  # the next transfer overlaps this bucket's update
-                staged = self._stage(*work[n + 1], grads)
+            if refill is not None:
+                work = refill(work)
+            if work and ahead:  # the next transfer overlaps this bucket's update
+                staged = self._stage(*work[0], grads)
             if event is not None:
                 event.synchronize()
             shard = Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
@@ -369,10 +374,13 @@ class OffloadPipeline:
                     self.param_slots[key.index].events[param_slot] = event
             host_state.release(buf)
             progress.publish((key.index, bucket.index), event)  # its all-gather may start
-            if last:
-                return
-            if not ahead:  # one slot: the next copy after the update
-                staged = self._stage(*work[n + 1], grads)
+            if not work and refill is not None:  # queued during this update: go on with them
+                work = refill(work)
+                if work:
+                    staged = self._stage(*work[0], grads)
+                continue
+            if work and not ahead:  # one slot: the next copy after the update
+                staged = self._stage(*work[0], grads)
 
 
 def update(optimizer, scalars) -> None:

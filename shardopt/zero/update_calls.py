@@ -11,6 +11,13 @@ Note: skipped params
     key is updated bucket by bucket, one call over whole chunks; otherwise elementwise rules take
     runs of adjacent fragments (alignment gaps included: zero grads and zero state stay zero)
     and per-tensor rules (LAMB, NovoGrad) take fragments.
+
+Note: planned calls are kept
+    Without skipped params a key's calls depend only on its layout and the rank, so they are
+    planned once per key (and per shard window: the offload worker asks for one bucket's calls
+    twice per bucket, and planning walks every bucket of the key) and the same Call objects are
+    handed out again (never mutated). With skipped params they are planned per step. Planning
+    every time made the offloaded update's bookkeeping grow with buckets x buckets per step.
 """
 
 from __future__ import annotations
@@ -94,6 +101,8 @@ class UpdateCalls:
         self.unused: frozenset[int] = frozenset()
         #: (key, shard range) the calls are limited to, see ``within``
         self.window: tuple[Key | None, Range | None] | None = None
+        #: Note: planned calls are kept: (key index, per_tensor[, window]) -> (key, calls)
+        self._kept: dict[tuple, tuple[Key, list[Call]]] = {}
 
     @contextlib.contextmanager
     def within(self, key: Key | None, shard: Range | None) -> Iterator[None]:
@@ -128,15 +137,32 @@ class UpdateCalls:
         return torch.tensor(self.offsets, dtype=torch.float32, device=self.sharded.device)
 
     def calls(self, key: Key, per_tensor: bool) -> list[Call]:
-        calls = self._planned(key, per_tensor)
-        if self.window is None:
-            return calls
-        only, shard = self.window
-        if only is None:  # the keys that are not offloaded
-            return [] if key.buffers.offloaded else calls
-        if key is not only:
-            return []
-        return [c for c in (call.within(shard) for call in calls) if c.shard_ranges]
+        window = None
+        if self.window is not None:
+            only, window = self.window
+            if only is None:  # the keys that are not offloaded
+                return [] if key.buffers.offloaded else self._whole(key, per_tensor)
+            if key is not only:
+                return []
+        if window is None:
+            return self._whole(key, per_tensor)
+        if self.any_skipped:
+            return _within(self._planned(key, per_tensor), window)
+        tag = (key.index, per_tensor, window.start, window.end)
+        kept = self._kept.get(tag)
+        if kept is None or kept[0] is not key:
+            kept = self._kept[tag] = (key, _within(self._whole(key, per_tensor), window))
+        return list(kept[1])
+
+    def _whole(self, key: Key, per_tensor: bool) -> list[Call]:
+        """The key's calls outside any window (kept when nothing is skipped)."""
+        if self.any_skipped:
+            return self._planned(key, per_tensor)
+        tag = (key.index, per_tensor)
+        kept = self._kept.get(tag)
+        if kept is None or kept[0] is not key:
+            kept = self._kept[tag] = (key, self._planned(key, per_tensor))
+        return list(kept[1])
 
     def _planned(self, key: Key, per_tensor: bool) -> list[Call]:
         buf = key.buffers
@@ -195,6 +221,11 @@ class UpdateCalls:
                 )
             )
         return calls
+
+
+def _within(calls: list[Call], window: Range) -> list[Call]:
+    """The parts of ``calls`` inside shard range ``window``."""
+    return [c for c in (call.within(window) for call in calls) if c.shard_ranges]
 
 
 def _space(bucket_range: Range, bucket) -> Range:
