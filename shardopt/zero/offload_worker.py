@@ -24,8 +24,10 @@ Note: the worker and the GIL
     ``CPUOffload.switch_interval`` (0.0002 s by default) lowers the interval
     (``sys.setswitchinterval``, process-wide: ``_SwitchInterval``); the last worker to stop
     puts the previous value back unless something else changed it meanwhile. Measured on one
-    H200 (docs/benchmarks.md, seventh session): the 1.32B GPT's offloaded step 402.1 -> 380.3 ms
-    without clipping and 425.8 -> 410.0 ms with it, the worker's kernel calls 299 -> 272 ms.
+    H200 (docs/benchmarks.md, seventh session), mixed: with the interval at 0.2 ms for the whole
+    process the 1.32B GPT's offloaded step took 380.3 / 410.0 ms (clip off / on) against 402.1 /
+    425.8 ms at 5 ms in one call (the worker's kernel calls 272 against 299 ms); in another call
+    one traced iteration each went the other way.
 """
 
 from __future__ import annotations
