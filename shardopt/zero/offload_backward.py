@@ -101,7 +101,7 @@ class EarlyUpdates:
         work = getattr(handle, "_work", None)  # the reduce-scatter the worker waits for
         optimizer._offload_pipeline.submit_early(
             optimizer, key, bucket, self._scalars, self.progress, self._view,
-            None if work is None else work.wait,
+            None if work is None else work.wait, None if work is None else work.is_completed,
         )  # fmt: skip
 
     def _abandon(self) -> None:

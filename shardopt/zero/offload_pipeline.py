@@ -33,13 +33,18 @@ Note: the worker's order during backward
     Backward hands buckets over in backward order, and the next forward needs them in the other
     order: run one by one as they came, the bucket the forward needs first would be updated last
     and the forward would wait for the whole update. So buckets handed over during backward are
-    queued (``submit_early``) and one job drains the queue: it takes every bucket queued so far,
-    sorted the way the forward needs them, and before each bucket's update merges the buckets
-    queued meanwhile into the rest in that order (``refill``), so a bucket the forward needs
-    sooner comes right after the bucket in hand, and the next bucket's grads are staged during
-    the current one's update (taking the new bucket in a job of its own left its grad copy
-    unoverlapped: 1.6-1.9 ms per bucket in backward on one H200, launch_scripts/trace_offload.py,
-    seventh session). When backward ends the rest go in
+    queued (``submit_early``) and one job drains the queue: before each bucket's update it merges
+    the buckets queued meanwhile into the rest (``refill``) and orders the rest: the buckets whose
+    reduce-scatter is done, the one the forward needs first first, then those still reducing, in
+    the order they came (the order they finish in); the next bucket's grads are staged during
+    the current one's update, and a bucket's reduce-scatter wait goes on the copy stream when its
+    own copy is issued, so a copy waits for its own reduce-scatter only. Before, every bucket
+    taken had its wait put on the copy stream at once and the worker took the bucket the forward
+    needs first, which during backward is the newest: the copies waited for the newest
+    reduce-scatter, which the GPU had not reached while the host runs ahead (7-18 ms waits, 40
+    ms an iteration, on one H200, launch_scripts/trace_offload.py, seventh session); and a
+    bucket taken in a job of its own had its copy waited on unoverlapped (1.6-1.9 ms each). The
+    readiness order is not measured on a GPU yet. When backward ends the rest go in
     forward order, so the forward starts after the first of them. The order does not change a
     bit: each bucket's update reads and writes only its own part of the state. The worker reads a
     ``frozen_view`` of the optimizer: the param groups and skipped-step
@@ -207,10 +212,14 @@ class OffloadPipeline:
             event.record(stream)
         return event
 
-    def _stage(self, key, bucket, shards: dict) -> tuple:
+    def _stage(self, key, bucket, shards: dict, wait=None) -> tuple:
         """The bucket's grad chunk (from ``shards``, the grad shards by key) and a remainder
         key's bf16 params into the next slots: (grads, params or None, the params' slot, the
-        copy's event)."""
+        copy's event); ``wait``: the bucket's reduce-scatter wait, run first (with the copy
+        stream current on CUDA, so that only this bucket's copy waits for it)."""
+        if wait is not None:
+            with torch.cuda.stream(self.d2h) if self.cuda else contextlib.nullcontext():
+                wait()
         buf = key.buffers
         ring = self.grad_slots[key.index]
         i, slot = ring.take()
@@ -255,16 +264,19 @@ class OffloadPipeline:
 
         self.worker.submit(job, progress)
 
-    def submit_early(self, optimizer, key, bucket, scalars, progress: Progress, view, ready):
+    def submit_early(
+        self, optimizer, key, bucket, scalars, progress: Progress, view, ready, done=None
+    ):  # fmt: skip
         """A bucket handed over during backward (see Note: the worker's order during backward):
         queued for the job that drains them, which is submitted unless one is queued or running.
-        ``ready``: the bucket's reduce-scatter wait (with the copy stream current), or None."""
+        ``ready``: the bucket's reduce-scatter wait (with the copy stream current), or None;
+        ``done``: whether that reduce-scatter has finished (a query; None: it has)."""
         if self.cuda:  # after what the compute stream did to the grads
             self.d2h.wait_stream(torch.cuda.current_stream())
             self.h2d.wait_stream(torch.cuda.current_stream())
             key.buffers.grad_shard.record_stream(self.d2h)
         position = {b: n for n, b in enumerate(progress.order)}[(key.index, bucket.index)]
-        entry = (position, key, bucket, key.buffers.grad_shard, ready)
+        entry = (position, key, bucket, key.buffers.grad_shard, ready, done)
         with self._pending_lock:
             self._pending.setdefault(progress, []).append(entry)
             if progress in self._draining:
@@ -279,57 +291,82 @@ class OffloadPipeline:
         self.worker.submit(job, progress)
 
     def _take_pending(self, progress: Progress) -> list[tuple]:
-        """The early buckets of ``progress``'s step queued so far, the one the next forward
-        needs first first; when none, ends the draining job (under the lock, so a bucket queued
-        later gets a new job)."""
+        """The early buckets of ``progress``'s step queued so far, in the order they came; when
+        none, ends the draining job (under the lock, so a bucket queued later gets a new job)."""
         with self._pending_lock:
-            entries = sorted(self._pending.pop(progress, []), key=lambda e: e[0])
+            entries = self._pending.pop(progress, [])
             if not entries:
                 self._draining.discard(progress)
             return entries
 
     def _drain(self, view, scalars, progress: Progress) -> None:
-        """The worker: updates the early buckets queued so far, the one the next forward needs
-        first first; before each bucket's update the buckets queued meanwhile join the rest in
-        that order (``refill``), so a bucket the forward needs sooner is the next one, and its
-        grads are staged during the current update."""
+        """The worker: updates the early buckets queued so far; before each bucket's update the
+        buckets queued meanwhile join the rest (``refill``), and the rest is ordered: those whose
+        reduce-scatter is done first, the one the next forward needs first first, then the others
+        in the order they came (see Note: the worker's order during backward)."""
         position = {b: n for n, b in enumerate(progress.order)}
         grads: dict = {}
+        waits: dict[tuple[int, int], object] = {}  # the reduce-scatter waits not yet staged
+        came: list = []  # per bucket taken, in arrival order: its ``done`` query (or None)
+        arrival: dict[tuple[int, int], int] = {}
+        finished = [0]  # the first ``finished[0]`` of ``came`` have their reduce-scatter done
 
         def take(entries: list[tuple]) -> list[tuple]:
-            for _, key, _, grad_shard, ready in entries:
+            for _, key, bucket, grad_shard, ready, done in entries:
+                tag = (key.index, bucket.index)
                 grads[key.index] = grad_shard
-                if ready is not None:  # its reduce-scatter, before the grads are staged
-                    with torch.cuda.stream(self.d2h) if self.cuda else contextlib.nullcontext():
-                        ready()
-            return [(key, bucket) for _, key, bucket, _, _ in entries]
+                arrival[tag] = len(came)
+                came.append(done)
+                if ready is not None:
+                    waits[tag] = ready
+            return [(key, bucket) for _, key, bucket, _, _, _ in entries]
+
+        def order(work: list[tuple]) -> list[tuple]:
+            # the reduce-scatters finish about in the order they were issued: stop at the first
+            # one not done (a later one done meanwhile waits for the next look)
+            while finished[0] < len(came) and (came[finished[0]] is None or came[finished[0]]()):
+                finished[0] += 1
+
+            def rank(kb: tuple) -> tuple[int, int]:
+                tag = (kb[0].index, kb[1].index)
+                n = arrival[tag]
+                return (0, position[tag]) if n < finished[0] else (1, n)
+
+            return sorted(work, key=rank)
 
         def refill(rest: list[tuple]) -> list[tuple]:
             with self._pending_lock:
                 entries = self._pending.pop(progress, [])
-            if not entries:
-                return rest
-            merged = rest + take(entries)
-            return sorted(merged, key=lambda kb: position[(kb[0].index, kb[1].index)])
+            return order(rest + take(entries) if entries else rest)
 
         try:
             while entries := self._take_pending(progress):
-                self._run(view, take(entries), grads, scalars, False, progress, refill)
+                work = order(take(entries))
+                self._run(view, work, grads, scalars, False, progress, refill, waits)
         except BaseException:
             with self._pending_lock:  # the job's error ends the step; nothing is left queued
                 self._pending.pop(progress, None)
                 self._draining.discard(progress)
+            for wait in waits.values():  # no reduce-scatter is left unwaited
+                with contextlib.suppress(Exception):
+                    wait()
             raise
 
     def _run(
         self, optimizer, work: list, grads: dict, scalars, skipped: bool, progress,
-        refill=None,
+        refill=None, waits: dict | None = None,
     ) -> None:  # fmt: skip
         """The worker thread: each bucket's update, in ``work``'s order; ``refill`` (``_drain``):
         called with the buckets still to update before each update and after the last, returns
-        them with the ones queued meanwhile merged in."""
+        them ordered, with the ones queued meanwhile merged in; ``waits``: reduce-scatter waits
+        by bucket id, each run when its bucket is staged."""
         work = list(work)
-        staged = self._stage(*work[0], grads) if work else None
+        waits = {} if waits is None else waits
+
+        def stage(kb: tuple) -> tuple:
+            return self._stage(*kb, grads, waits.pop((kb[0].index, kb[1].index), None))
+
+        staged = stage(work[0]) if work else None
         while work:
             key, bucket = work.pop(0)
             buf = key.buffers
@@ -338,7 +375,7 @@ class OffloadPipeline:
             if refill is not None:
                 work = refill(work)
             if work and ahead:  # the next transfer overlaps this bucket's update
-                staged = self._stage(*work[0], grads)
+                staged = stage(work[0])
             if event is not None:
                 event.synchronize()
             shard = Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
@@ -377,10 +414,10 @@ class OffloadPipeline:
             if not work and refill is not None:  # queued during this update: go on with them
                 work = refill(work)
                 if work:
-                    staged = self._stage(*work[0], grads)
+                    staged = stage(work[0])
                 continue
             if work and not ahead:  # one slot: the next copy after the update
-                staged = self._stage(*work[0], grads)
+                staged = stage(work[0])
 
 
 def update(optimizer, scalars) -> None:
