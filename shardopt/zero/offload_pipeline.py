@@ -309,7 +309,7 @@ class OffloadPipeline:
         waits: dict[tuple[int, int], object] = {}  # the reduce-scatter waits not yet staged
         came: list = []  # per bucket taken, in arrival order: its ``done`` query (or None)
         arrival: dict[tuple[int, int], int] = {}
-        finished = [0]  # the first ``finished[0]`` of ``came`` have their reduce-scatter done
+        finished = 0  # the first ``finished`` of ``came`` have their reduce-scatter done
 
         def take(entries: list[tuple]) -> list[tuple]:
             for _, key, bucket, grad_shard, ready, done in entries:
@@ -322,15 +322,16 @@ class OffloadPipeline:
             return [(key, bucket) for _, key, bucket, _, _, _ in entries]
 
         def order(work: list[tuple]) -> list[tuple]:
+            nonlocal finished
             # the reduce-scatters finish about in the order they were issued: stop at the first
             # one not done (a later one done meanwhile waits for the next look)
-            while finished[0] < len(came) and (came[finished[0]] is None or came[finished[0]]()):
-                finished[0] += 1
+            while finished < len(came) and (came[finished] is None or came[finished]()):
+                finished += 1
 
             def rank(kb: tuple) -> tuple[int, int]:
                 tag = (kb[0].index, kb[1].index)
                 n = arrival[tag]
-                return (0, position[tag]) if n < finished[0] else (1, n)
+                return (0, position[tag]) if n < finished else (1, n)
 
             return sorted(work, key=rank)
 

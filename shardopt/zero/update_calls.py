@@ -149,19 +149,20 @@ class UpdateCalls:
         if self.any_skipped:
             return _within(self._planned(key, per_tensor), window)
         tag = (key.index, per_tensor, window.start, window.end)
-        kept = self._kept.get(tag)
-        if kept is None or kept[0] is not key:
-            kept = self._kept[tag] = (key, _within(self._whole(key, per_tensor), window))
-        return list(kept[1])
+        return self._keep(tag, key, lambda: _within(self._whole(key, per_tensor), window))
 
     def _whole(self, key: Key, per_tensor: bool) -> list[Call]:
         """The key's calls outside any window (kept when nothing is skipped)."""
         if self.any_skipped:
             return self._planned(key, per_tensor)
-        tag = (key.index, per_tensor)
+        return self._keep((key.index, per_tensor), key, lambda: self._planned(key, per_tensor))
+
+    def _keep(self, tag: tuple, key: Key, plan) -> list[Call]:
+        """The calls kept under ``tag`` for ``key``, planned by ``plan()`` the first time (see
+        Note: planned calls are kept)."""
         kept = self._kept.get(tag)
         if kept is None or kept[0] is not key:
-            kept = self._kept[tag] = (key, self._planned(key, per_tensor))
+            kept = self._kept[tag] = (key, plan())
         return list(kept[1])
 
     def _planned(self, key: Key, per_tensor: bool) -> list[Call]:

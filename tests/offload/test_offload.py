@@ -34,6 +34,7 @@ from torch import nn
 
 import shardopt
 from shardopt import checkpoint
+from shardopt.zero.layout import Range
 from shardopt.zero.offload_plan import plan_fraction, split_params, thread_budget
 from shardopt.zero.offload_worker import Progress, _SwitchInterval
 
@@ -285,6 +286,42 @@ def _overlapped(name, dtype, offload, rank, steps=4):
     return history, opt.state_dict(), opt
 
 
+def _kept_calls(opt):
+    """Note: planned calls are kept: without skipped params the same Call objects come back (a
+    bucket's window too), equal to a fresh plan; with a skipped param they are planned anew."""
+    opt.wait_param_sync()
+    calls = opt.update_calls
+    saved = calls.unused, list(calls.offsets)
+    calls.unused, calls.offsets = frozenset(), [0] * len(calls.offsets)  # nothing skipped
+    try:
+        _kept_calls_of(calls, opt.keys)
+    finally:
+        calls.unused, calls.offsets = saved
+
+
+def _kept_calls_of(calls, keys):
+    for key in keys:
+        first, again = calls.calls(key, False), calls.calls(key, False)
+        assert first and all(a is b for a, b in zip(first, again, strict=True))
+        assert first == calls._planned(key, False)
+        bucket = key.layout.buckets[-1]
+        shard = Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
+        with calls.within(key, shard):
+            one, two = calls.calls(key, False), calls.calls(key, False)
+        assert one and all(a is b for a, b in zip(one, two, strict=True))
+        ranges = [r for c in one for r in c.shard_ranges]
+        assert all(r.start >= shard.start and r.end <= shard.end for r in ranges)
+        skipped = key.buffers.fragments[0].param
+        calls.offsets[skipped] += 1  # a param that skipped a step: planned per step
+        try:
+            fresh = calls.calls(key, False)
+            assert not any(a is b for a in fresh for b in first)
+            assert {c.offset for c in fresh} == ({0, 1} if len(key.buffers.fragments) > 1 else {1})
+        finally:
+            calls.offsets[skipped] -= 1
+        assert all(a is b for a, b in zip(calls.calls(key, False), first, strict=True))
+
+
 def worker(rank, world):
     """The offload worker thread: with overlap_param_sync the same bits as without offload
     (Adam bf16 and Adagrad fp32, lr changed right after step); step() returns before the worker
@@ -299,6 +336,7 @@ def worker(rank, world):
         _same(sd0, sd1, f"{name} state_dict with overlap")
         assert opt._offload_pipeline.worker.alive
         assert sys.getswitchinterval() <= 2e-4 * (1 + 1e-9)
+        _kept_calls(opt)
         opt.close()
         assert not opt._offload_pipeline.worker.alive
     model = _model(BF16)
