@@ -140,9 +140,10 @@ def report(title):
     print("  ev_sync over 0.5 ms (start, dur):", [x for x in syn if x[1] > 0.5])
     early = [round(a, 1) for th, n, a, b in EV if n == "submit_early"]
     print("  submit_early starts:", early)
+    first_early = min(early, default=float("inf"))
     print(
-        "  update starts after the forward:",
-        [(round(a), round(b - a, 1)) for a, b in ups if a > min([e for e in early] or [1e9]) - 1],
+        "  updates from the first submit_early on (start, dur):",
+        [(round(a), round(b - a, 1)) for a, b in ups if a > first_early - 1],
     )
 
 
