@@ -19,6 +19,9 @@
 #             OFFLOAD_SETTINGS (default: "default BENCH_OFFLOAD_THREADS=12 BENCH_OFFLOAD_THREADS=14
 #             OMP_WAIT_POLICY=PASSIVE BENCH_OFFLOAD_BLOCKING_SYNC=1"), each capped at SETTINGS_S
 #             (80): an A/B of what the step is sensitive to, every row on the same host
+#             (SETTINGS_ARGS: more bench_offload.py arguments for these runs; BENCH_ARGS is not used)
+#   bandwidth probe_host_bandwidth.py: the host's copy/read bandwidth against the CPU Adam alone,
+#             per bucket, and beside the pipeline's DMA (cap BANDWIDTH_S, 120)
 #   bench28   bench_offload.py at 2560 x 32 (2.8B), clipping off and on
 #             (BENCH_ARGS: more bench_offload.py arguments, e.g. "--contenders offload,fsdp2_offload")
 #   largest   bench_offload.py --largest in what is left of the budget (LARGEST_BUDGET_S caps it;
@@ -128,6 +131,10 @@ for s in "${stages[@]}"; do
                  "$LOG/trace_${kv//=/_}_$clip.log" | head -44 | tee -a "$SUMMARY"
              done
            done ;;
+    bandwidth) timeout "$(allot "${BANDWIDTH_S:-120}")" python3 launch_scripts/probe_host_bandwidth.py \
+                 --out "$LOG/probe_host_bandwidth.json" > "$LOG/probe_host_bandwidth.log" 2>&1
+               echo "probe_host_bandwidth: exit code $?" | tee -a "$SUMMARY"
+               tail -12 "$LOG/probe_host_bandwidth.log" | tee -a "$SUMMARY" ;;
     ds_op) ds_op ;;
     cpu_adam) ds_op
               OMP_NUM_THREADS=$NCORES timeout "$(allot 150)" python3 launch_scripts/bench_cpu_adam.py \
@@ -138,7 +145,7 @@ for s in "${stages[@]}"; do
               for kv in "${sets[@]}"; do
                 echo "-- setting: $kv" | tee -a "$SUMMARY"
                 ( [ "$kv" = default ] || export "${kv?}"
-                  BENCH_ARGS="--contenders offload ${BENCH_ARGS:-}" bench "1.4b_${kv//=/_}" 2048 24 "${SETTINGS_S:-80}" )
+                  BENCH_ARGS="--contenders offload ${SETTINGS_ARGS:-}" bench "1.4b_${kv//=/_}" 2048 24 "${SETTINGS_S:-80}" )
               done ;;
     bench28) bench 2.8b 2560 32 "${BENCH28_S:-260}" ;;
     largest) t=$(allot "${LARGEST_BUDGET_S:-600}")

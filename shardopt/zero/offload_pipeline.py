@@ -38,8 +38,15 @@ Note: the worker's order during backward
     reduce-scatter is done, the one the forward needs first first, then those still reducing, in
     the order they came (the order they finish in); the next bucket's grads are staged during
     the current one's update, and a bucket's reduce-scatter wait goes on the copy stream when its
-    own copy is issued, so a copy waits for its own reduce-scatter only. Before, every bucket
-    taken had its wait put on the copy stream at once and the worker took the bucket the forward
+    own copy is issued, so a copy waits for its own reduce-scatter only. Likewise the compute
+    stream: a bucket's copies down and up wait for an event recorded on it when the bucket was
+    handed over (its grads done, its params' last reads by backward issued), not for the stream
+    as it stood at the latest hand-over. Before, every hand-over made both copy streams wait for
+    the compute stream, and the host runs ahead of the GPU: a copy issued at the 10th bucket of
+    the host's backward waited for the GPU to reach the 30th, and the out slots' copies up
+    (which a slot's reuse waits for) for the end of backward: the worker updated 5 of 51
+    buckets during a 90 ms backward (one H200, trace_offload.py, eighth session; the cause read
+    from the code and the stamps). Before that, every bucket taken had its wait put on the copy stream at once and the worker took the bucket the forward
     needs first, which during backward is the newest: the copies waited for the newest
     reduce-scatter, which the GPU had not reached while the host runs ahead (7-18 ms waits, 40
     ms an iteration, on one H200, launch_scripts/trace_offload.py, seventh session); and a
@@ -212,14 +219,17 @@ class OffloadPipeline:
             event.record(stream)
         return event
 
-    def _stage(self, key, bucket, shards: dict, wait=None) -> tuple:
+    def _stage(self, key, bucket, shards: dict, wait=None, after=None) -> tuple:
         """The bucket's grad chunk (from ``shards``, the grad shards by key) and a remainder
         key's bf16 params into the next slots: (grads, params or None, the params' slot, the
         copy's event); ``wait``: the bucket's reduce-scatter wait, run first (with the copy
-        stream current on CUDA, so that only this bucket's copy waits for it)."""
+        stream current on CUDA, so that only this bucket's copy waits for it); ``after``: a CUDA
+        event the copy waits for (the compute stream's work on the bucket)."""
         if wait is not None:
             with torch.cuda.stream(self.d2h) if self.cuda else contextlib.nullcontext():
                 wait()
+        if after is not None:
+            self.d2h.wait_event(after)
         buf = key.buffers
         ring = self.grad_slots[key.index]
         i, slot = ring.take()
@@ -271,12 +281,13 @@ class OffloadPipeline:
         queued for the job that drains them, which is submitted unless one is queued or running.
         ``ready``: the bucket's reduce-scatter wait (with the copy stream current), or None;
         ``done``: whether that reduce-scatter has finished (a query; None: it has)."""
-        if self.cuda:  # after what the compute stream did to the grads
-            self.d2h.wait_stream(torch.cuda.current_stream())
-            self.h2d.wait_stream(torch.cuda.current_stream())
+        after = None
+        if self.cuda:  # the compute stream's work on this bucket so far (Note: ... backward)
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream())
             key.buffers.grad_shard.record_stream(self.d2h)
         position = {b: n for n, b in enumerate(progress.order)}[(key.index, bucket.index)]
-        entry = (position, key, bucket, key.buffers.grad_shard, ready, done)
+        entry = (position, key, bucket, key.buffers.grad_shard, ready, done, after)
         with self._pending_lock:
             self._pending.setdefault(progress, []).append(entry)
             if progress in self._draining:
@@ -307,19 +318,22 @@ class OffloadPipeline:
         position = {b: n for n, b in enumerate(progress.order)}
         grads: dict = {}
         waits: dict[tuple[int, int], object] = {}  # the reduce-scatter waits not yet staged
+        afters: dict[tuple[int, int], torch.cuda.Event] = {}  # per bucket: its ``after`` event
         came: list = []  # per bucket taken, in arrival order: its ``done`` query (or None)
         arrival: dict[tuple[int, int], int] = {}
         finished = 0  # the first ``finished`` of ``came`` have their reduce-scatter done
 
         def take(entries: list[tuple]) -> list[tuple]:
-            for _, key, bucket, grad_shard, ready, done in entries:
+            for _, key, bucket, grad_shard, ready, done, after in entries:
                 tag = (key.index, bucket.index)
                 grads[key.index] = grad_shard
                 arrival[tag] = len(came)
                 came.append(done)
                 if ready is not None:
                     waits[tag] = ready
-            return [(key, bucket) for _, key, bucket, _, _, _ in entries]
+                if after is not None:
+                    afters[tag] = after
+            return [(key, bucket) for _, key, bucket, *_ in entries]
 
         def order(work: list[tuple]) -> list[tuple]:
             nonlocal finished
@@ -343,7 +357,7 @@ class OffloadPipeline:
         try:
             while entries := self._take_pending(progress):
                 work = order(take(entries))
-                self._run(view, work, grads, scalars, False, progress, refill, waits)
+                self._run(view, work, grads, scalars, False, progress, refill, waits, afters)
         except BaseException:
             with self._pending_lock:  # the job's error ends the step; nothing is left queued
                 self._pending.pop(progress, None)
@@ -355,17 +369,20 @@ class OffloadPipeline:
 
     def _run(
         self, optimizer, work: list, grads: dict, scalars, skipped: bool, progress,
-        refill=None, waits: dict | None = None,
+        refill=None, waits: dict | None = None, afters: dict | None = None,
     ) -> None:  # fmt: skip
         """The worker thread: each bucket's update, in ``work``'s order; ``refill`` (``_drain``):
         called with the buckets still to update before each update and after the last, returns
         them ordered, with the ones queued meanwhile merged in; ``waits``: reduce-scatter waits
-        by bucket id, each run when its bucket is staged."""
+        by bucket id, each run when its bucket is staged; ``afters``: CUDA events by bucket id
+        that its copies down and up wait for (see Note: the worker's order during backward)."""
         work = list(work)
         waits = {} if waits is None else waits
+        afters = {} if afters is None else afters
 
         def stage(kb: tuple) -> tuple:
-            return self._stage(*kb, grads, waits.pop((kb[0].index, kb[1].index), None))
+            tag = (kb[0].index, kb[1].index)
+            return self._stage(*kb, grads, waits.pop(tag, None), afters.get(tag))
 
         staged = stage(work[0]) if work else None
         while work:
@@ -398,6 +415,9 @@ class OffloadPipeline:
                 source = buf.master if out is None else buf.host_out
                 buf.master = device_master
             event = None
+            after = afters.pop((key.index, bucket.index), None)
+            if after is not None:  # the params' last reads by backward before they are written
+                self.h2d.wait_event(after)
             if not skipped and not buf.out_by_copy:
                 for call in calls:
                     for shard_r, space_r in zip(call.shard_ranges, call.space_ranges):
