@@ -130,13 +130,21 @@ def full_offload_target(records: dict[str, Any]) -> dict[str, Any]:
             f"(target on a model that fits: <= 1.1x){saved}"
         )
     targets = {"offload": "<= 12.5", "offload_compact": "<= 4.5", "deepspeed_offload": None}
+    # what a training process adds without offload (the CUDA libraries its first forward and
+    # backward load, ...): the part of a contender's host memory that is not its optimizer's
+    plain = records.get("no_offload", {}).get("host_bytes_per_param")
     for name, target in targets.items():
         per_param = records.get(name, {}).get("host_bytes_per_param")
         if per_param is not None:
             out[f"{name}_host_bytes_per_param"] = per_param
+            above = ""
+            if plain is not None:
+                out[f"{name}_host_bytes_per_param_over_no_offload"] = per_param - plain
+                above = f"; {per_param - plain:.2f} above no_offload's ({plain:.2f})"
             lines.append(
-                f"{name}: host memory {per_param:.1f} B/param above the process's baseline"
+                f"{name}: host memory {per_param:.2f} B/param above the process's baseline"
                 + (f" (target {target})" if target else "")
+                + above
             )
     ds = step_ms(records, "deepspeed_offload", True)
     ours = step_ms(records, "offload", True)

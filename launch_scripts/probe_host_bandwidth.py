@@ -59,14 +59,15 @@ def plain(total: int, rounds: int, row, host_memory) -> None:
     row("in place", timed(lambda: src.mul_(1.0), rounds), 8 * total)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[tuple[str, float, float]]:
+    """Prints and returns the rows: (name, ms, GB/s)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--buckets", type=int, default=51)
     ap.add_argument("--numel", type=int, default=26 * 1024 * 1024, help="params per bucket")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import_shardopt()
     from shardopt import kernels as K
     from shardopt.zero import host_memory
@@ -163,6 +164,7 @@ def main() -> None:
                 },
                 f, indent=1,
             )  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

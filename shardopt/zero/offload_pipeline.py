@@ -41,17 +41,15 @@ Note: the worker's order during backward
     own copy is issued, so a copy waits for its own reduce-scatter only. Likewise the compute
     stream: a bucket's copies down and up wait for an event recorded on it when the bucket was
     handed over (its grads done, its params' last reads by backward issued), not for the stream
-    as it stood at the latest hand-over. Before, every hand-over made both copy streams wait for
-    the compute stream, and the host runs ahead of the GPU: a copy issued at the 10th bucket of
-    the host's backward waited for the GPU to reach the 30th, and the out slots' copies up
-    (which a slot's reuse waits for) for the end of backward: the worker updated 5 of 51
-    buckets during a 90 ms backward (one H200, trace_offload.py, eighth session; the cause read
-    from the code and the stamps). Before that, every bucket taken had its wait put on the copy stream at once and the worker took the bucket the forward
-    needs first, which during backward is the newest: the copies waited for the newest
-    reduce-scatter, which the GPU had not reached while the host runs ahead (7-18 ms waits, 40
-    ms an iteration, on one H200, launch_scripts/trace_offload.py, seventh session); and a
-    bucket taken in a job of its own had its copy waited on unoverlapped (1.6-1.9 ms each). The
-    readiness order is not measured on a GPU yet. When backward ends the rest go in
+    as it stood at the latest hand-over. The host runs ahead of the GPU in backward, so when each
+    hand-over made both copy streams wait for the compute stream, a copy issued early in the
+    host's backward waited for the GPU to reach a much later bucket, and the out slots' copies up
+    (which a slot's reuse waits for) for about the end of backward. On one H200
+    (launch_scripts/trace_offload.py, clip off, eighth session, two hosts) the worker updated 5
+    of the 51 buckets during backward before and 11 after, its grad-copy waits 50.9 -> 6.0 ms an
+    iteration; earlier fixes of the same kind: a bucket taken in a job of its own had its copy
+    waited on unoverlapped (1.6-1.9 ms each), and every queued bucket's reduce-scatter wait went
+    on the copy stream at once (7-18 ms waits, seventh session). When backward ends the rest go in
     forward order, so the forward starts after the first of them. The order does not change a
     bit: each bucket's update reads and writes only its own part of the state. The worker reads a
     ``frozen_view`` of the optimizer: the param groups and skipped-step

@@ -196,3 +196,39 @@ def test_flags():
     for bad in (["--contenders", "nope"], ["--width", "64"], ["--sizes", "64by2"]):
         with pytest.raises(SystemExit):
             bench_offload.parse_args(["--device", "cpu", *bad])
+
+
+def test_host_memory_lines_count_what_the_optimizer_adds():
+    """The report gives each offload contender's host B/param above the process's baseline and,
+    when the no-offload run is there, above that run's own (what every training process adds)."""
+    from bench_offload_report import full_offload_target
+
+    records = {
+        "no_offload": {"host_bytes_per_param": 0.25, "phases": []},
+        "offload": {"host_bytes_per_param": 12.75, "phases": []},
+    }
+    out = full_offload_target(records)
+    assert out["offload_host_bytes_per_param"] == 12.75
+    assert out["offload_host_bytes_per_param_over_no_offload"] == 12.5
+    line = "offload: host memory 12.75 B/param above the process's baseline (target <= 12.5)"
+    assert line + "; 12.50 above no_offload's (0.25)" in out["lines"]
+    out = full_offload_target({"offload": records["offload"]})  # without the no-offload run
+    assert line in out["lines"] and "offload_host_bytes_per_param_over_no_offload" not in out
+
+
+def test_host_bandwidth_probe_on_cpu(tmp_path):
+    """probe_host_bandwidth.py at a tiny size: the CPU rows first (the DMA rows follow on a GPU),
+    each GB/s the bytes it counts over its time."""
+    import probe_host_bandwidth
+
+    out = tmp_path / "bw.json"
+    argv = ["--buckets", "2", "--numel", "65536", "--threads", "1", "--rounds", "2"]
+    rows = probe_host_bandwidth.main([*argv, "--out", str(out)])
+    names = [r[0] for r in rows]
+    assert names[:5] == ["copy", "read", "in place", "adam one call", "adam per bucket"]
+    per_element = {"copy": 8, "read": 4, "in place": 8, "adam one call": 28, "adam per bucket": 28}
+    for name, ms, gbs in rows[:5]:
+        assert ms > 0
+        assert gbs == pytest.approx(per_element[name] * 2 * 65536 / (ms / 1e3) / 1e9)
+    saved = json.loads(out.read_text())
+    assert saved["buckets"] == 2 and [r["name"] for r in saved["rows"]] == names
