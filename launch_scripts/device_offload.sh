@@ -127,8 +127,8 @@ for s in "${stages[@]}"; do
                ( [ "$kv" = default ] || export "${kv?}"
                  timeout "$t" python3 launch_scripts/trace_offload.py --clip "$clip" \
                    > "$LOG/trace_${kv//=/_}_$clip.log" 2>&1 )
-               grep -E "interval|iteration ms|kernel|update|job |wait_bucket|ev_sync|step\(\)|forward|backward|submit_early" \
-                 "$LOG/trace_${kv//=/_}_$clip.log" | head -44 | tee -a "$SUMMARY"
+               grep -E "interval|iteration ms|kernel|update|job |wait_bucket|ev_sync|step\(\)|forward|backward|submit_early|stage|slot_take|copy_issue|restart|release|rs_wait" \
+                 "$LOG/trace_${kv//=/_}_$clip.log" | head -56 | tee -a "$SUMMARY"
              done
            done ;;
     bandwidth) timeout "$(allot "${BANDWIDTH_S:-120}")" python3 launch_scripts/probe_host_bandwidth.py \

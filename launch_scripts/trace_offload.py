@@ -2,14 +2,16 @@
 
     PYTHONPATH=.:launch_scripts python3 launch_scripts/trace_offload.py --clip off|on
 
-Wraps the offload pipeline's methods (staging, each bucket's update, the worker's CUDA event
-waits, the main thread's waits for buckets) with host timestamps and prints, for one iteration
-after warm-up and for the next forward, each one's count, total time and first start / last end
-in ms from the iteration's start (threads: ``MainThre`` the training loop, ``shardopt`` the
-offload worker). ``kernel``: the Adam kernel calls as Python sees them (the C++ time plus the
-wait for the GIL when the call returns). The optimizer is the bench's (bench_offload_peers.py),
-so its environment settings apply: e.g. BENCH_OFFLOAD_SWITCH_INTERVAL=none leaves Python's
-switch interval at its default (CPUOffload(switch_interval=None)).
+Wraps the offload pipeline's methods (staging, each bucket's update, the worker's CUDA event waits,
+the main thread's waits for buckets) with host timestamps and prints, for one iteration after
+warm-up and for the next forward, each one's count, total time and first start / last end in ms from
+the iteration's start (threads: ``MainThre`` the training loop, ``shardopt`` the offload worker).
+``kernel``: the Adam kernel calls as Python sees them (the C++ time plus the wait for the GIL when
+the call returns); ``stage``, ``slot_take``, ``copy_issue``, ``restart``, ``release``, ``rs_wait``:
+the worker's bookkeeping per bucket, part by part (nested: ``stage`` holds the bucket's
+reduce-scatter wait ``rs_wait``, a ``slot_take`` and a ``copy_issue``). The optimizer is the bench's
+(bench_offload_peers.py), so its environment settings apply: e.g. BENCH_OFFLOAD_SWITCH_INTERVAL=none
+leaves Python's switch interval at its default (CPUOffload(switch_interval=None)).
 """
 
 import argparse
@@ -67,7 +69,33 @@ def wrap(cls, attr, name):
     setattr(cls, attr, w)
 
 
+def timed_waits(fn):
+    """``_stage`` with its reduce-scatter wait (an argument) stamped as ``rs_wait``."""
+
+    def w(self, key, bucket, shards, wait=None, after=None):
+        if wait is not None:
+            inner = wait
+
+            def wait():
+                s = time.perf_counter()
+                try:
+                    inner()
+                finally:
+                    rec("rs_wait", s, time.perf_counter())
+
+        return fn(self, key, bucket, shards, wait, after)
+
+    return w
+
+
+op.OffloadPipeline._stage = timed_waits(op.OffloadPipeline._stage)
 wrap(op.OffloadPipeline, "_stage", "stage")
+# the parts of a bucket's bookkeeping: the slot rings' reuse waits, each copy's issue (stream
+# switch, copy, event), the view's per-bucket reset, the host views' release
+wrap(op._Slots, "take", "slot_take")
+wrap(op.OffloadPipeline, "_copy", "copy_issue")
+wrap(op, "restart", "restart")
+wrap(op.host_state, "release", "release")
 wrap(op.OffloadPipeline, "_run", "job")
 wrap(op.OffloadPipeline, "submit_early", "submit_early")
 wrap(zo.DistributedFusedAdam, "_update", "update")
