@@ -225,9 +225,11 @@ def test_host_bandwidth_probe_on_cpu(tmp_path):
     argv = ["--buckets", "2", "--numel", "65536", "--threads", "1", "--rounds", "2"]
     rows = probe_host_bandwidth.main([*argv, "--out", str(out)])
     names = [r[0] for r in rows]
-    assert names[:5] == ["copy", "read", "in place", "adam one call", "adam per bucket"]
-    per_element = {"copy": 8, "read": 4, "in place": 8, "adam one call": 28, "adam per bucket": 28}
-    for name, ms, gbs in rows[:5]:
+    cpu_rows = ["copy", "read", "in place", "adam one call", "adam per bucket"]
+    cpu_rows.append("adam per bucket, thread")
+    assert names[:6] == cpu_rows
+    per_element = dict(zip(cpu_rows, [8, 4, 8, 28, 28, 28]))
+    for name, ms, gbs in rows[:6]:
         assert ms > 0
         assert gbs == pytest.approx(per_element[name] * 2 * 65536 / (ms / 1e3) / 1e9)
     saved = json.loads(out.read_text())
