@@ -169,6 +169,8 @@ def _shardopt(
         # BENCH_OFFLOAD_THREADS: the update's CPU threads (default: CPUOffload's);
         # BENCH_OFFLOAD_HUGE_PAGES=1/0: CPUOffload(huge_pages=True/False) (default: CPUOffload's)
         # BENCH_OFFLOAD_SWITCH_INTERVAL=S|none: CPUOffload(switch_interval=S|None)
+        # BENCH_OFFLOAD_BUCKET_MB=M: bucket_cap_mb=M (default: the optimizer's 100), fewer and
+        # larger buckets for the worker's per-bucket costs, larger staging slots
         threads = os.environ.get("BENCH_OFFLOAD_THREADS")
         huge = huge_pages()
         extra: dict[str, Any] = {} if huge is None else {"huge_pages": huge}
@@ -181,6 +183,9 @@ def _shardopt(
             threads=int(threads) if threads else None,
             **extra,
         )
+        bucket_mb = os.environ.get("BENCH_OFFLOAD_BUCKET_MB")
+        if bucket_mb:
+            kwargs["bucket_cap_mb"] = float(bucket_mb)
     try:
         opt = shardopt.DistributedFusedAdam(
             model.parameters(),
@@ -201,7 +206,8 @@ def _shardopt(
         nn.Identity()(torch.zeros(()))  # a module call drains the overlapped param sync
         opt.close()
 
-    settings = {"params": "bf16", "offload_fraction": offload, **storage}
+    settings = {"params": "bf16", "offload_fraction": offload, "bucket_cap_mb": opt.bucket_cap_mb}
+    settings.update(storage)
     return Trainer(model, step, settings, clip=opt.clip_grad_norm, optimizer=opt, close=close)
 
 

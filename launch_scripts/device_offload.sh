@@ -19,7 +19,8 @@
 #             OFFLOAD_SETTINGS (default: "default BENCH_OFFLOAD_THREADS=12 BENCH_OFFLOAD_THREADS=14
 #             OMP_WAIT_POLICY=PASSIVE BENCH_OFFLOAD_BLOCKING_SYNC=1"), each capped at SETTINGS_S
 #             (80): an A/B of what the step is sensitive to, every row on the same host
-#             (SETTINGS_ARGS: more bench_offload.py arguments for these runs; BENCH_ARGS is not used)
+#             (SETTINGS_ARGS: more bench_offload.py arguments for these runs; BENCH_ARGS is not used;
+#             e.g. OFFLOAD_SETTINGS="default BENCH_OFFLOAD_BUCKET_MB=200" for larger buckets)
 #   bandwidth probe_host_bandwidth.py: the host's copy/read bandwidth against the CPU Adam alone,
 #             per bucket, and beside the pipeline's DMA (cap BANDWIDTH_S, 120)
 #   bench28   bench_offload.py at 2560 x 32 (2.8B), clipping off and on
