@@ -284,8 +284,7 @@ class OffloadPipeline:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream())
             key.buffers.grad_shard.record_stream(self.d2h)
-        position = {b: n for n, b in enumerate(progress.order)}[(key.index, bucket.index)]
-        entry = (position, key, bucket, key.buffers.grad_shard, ready, done, after)
+        entry = (key, bucket, key.buffers.grad_shard, ready, done, after)
         with self._pending_lock:
             self._pending.setdefault(progress, []).append(entry)
             if progress in self._draining:
@@ -322,7 +321,7 @@ class OffloadPipeline:
         finished = 0  # the first ``finished`` of ``came`` have their reduce-scatter done
 
         def take(entries: list[tuple]) -> list[tuple]:
-            for _, key, bucket, grad_shard, ready, done, after in entries:
+            for key, bucket, grad_shard, ready, done, after in entries:
                 tag = (key.index, bucket.index)
                 grads[key.index] = grad_shard
                 arrival[tag] = len(came)
@@ -331,7 +330,7 @@ class OffloadPipeline:
                     waits[tag] = ready
                 if after is not None:
                     afters[tag] = after
-            return [(key, bucket) for _, key, bucket, *_ in entries]
+            return [(key, bucket) for key, bucket, *_ in entries]
 
         def order(work: list[tuple]) -> list[tuple]:
             nonlocal finished
