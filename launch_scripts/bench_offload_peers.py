@@ -171,12 +171,16 @@ def _shardopt(
         # BENCH_OFFLOAD_SWITCH_INTERVAL=S|none: CPUOffload(switch_interval=S|None)
         # BENCH_OFFLOAD_BUCKET_MB=M: bucket_cap_mb=M (default: the optimizer's 100), fewer and
         # larger buckets for the worker's per-bucket costs, larger staging slots
+        # BENCH_OFFLOAD_SLOTS=N: CPUOffload(staging_slots=N) (default: CPUOffload's)
         threads = os.environ.get("BENCH_OFFLOAD_THREADS")
         huge = huge_pages()
         extra: dict[str, Any] = {} if huge is None else {"huge_pages": huge}
         interval = os.environ.get("BENCH_OFFLOAD_SWITCH_INTERVAL")
         if interval:
             extra["switch_interval"] = None if interval == "none" else float(interval)
+        slots = os.environ.get("BENCH_OFFLOAD_SLOTS")
+        if slots:
+            extra["staging_slots"] = int(slots)
         kwargs["offload"] = shardopt.CPUOffload(
             fraction=offload,
             overlap_backward=overlap_backward,

@@ -4,12 +4,16 @@
 // slot and are combined per tensor in item order, so the sums do not depend on the thread count.
 // Stage 2 recomputes u from p, m, v and applies the trust ratio; u is never stored. Stage 1 can
 // take the clip factor from the grads' sum of squares, stage 2 the sums of squares themselves.
+// With cuda_order the sums are taken in the CUDA kernel's order instead (norm/cuda_order_cpu.h):
+// one work item per CUDA chunk, whose squares go to a scratch row and are summed as the CUDA
+// block does, so a CPU update on a CUDA job (offload) gets the CUDA kernel's bits.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
 #include "../kernels.h"
 #include "../multi_tensor/cpu_apply.h"
 #include "../multi_tensor/dispatch.h"
+#include "../norm/cuda_order_cpu.h"
 #include "lamb_math.h"
 
 namespace shardopt {
@@ -46,13 +50,100 @@ at::Tensor norms_in_double(const at::Tensor& t, bool squared) {
   return out;
 }
 
+// lamb_stage1 with the sums in the CUDA kernel's order (see norm/cuda_order_cpu.h): the moments
+// as in the default path, each CUDA chunk's squares of p and u into scratch rows (rounded as the
+// CUDA kernel rounds them), summed per chunk as its block does, then per tensor as reduce_kernel.
+std::tuple<at::Tensor, at::Tensor> stage1_cuda_order(const TensorLists& lists, double beta1,
+                                                     double beta2, double eps, double t,
+                                                     bool bias_correction, double weight_decay,
+                                                     bool grad_averaging, bool adam_w_mode,
+                                                     double grad_scale,
+                                                     const at::TensorOptions& opts) {
+  using namespace lamb;
+  const int64_t n = static_cast<int64_t>(lists[0].size());
+  std::vector<cpu::WorkItem> items;  // one per CUDA chunk, each tensor's consecutively
+  std::vector<int64_t> first(n + 1, 0);
+  for (int64_t k = 0; k < n; ++k) {
+    first[k] = static_cast<int64_t>(items.size());
+    const int64_t numel = lists[0][k].numel();
+    for (int64_t s = 0; s < numel; s += cuda_order::kChunk) {
+      items.push_back({k, s, std::min(s + cuda_order::kChunk, numel)});
+    }
+  }
+  first[n] = static_cast<int64_t>(items.size());
+  // fp32, as the CUDA kernel returns them (fp64 params too)
+  at::Tensor w_sq = at::empty({n}, opts.dtype(at::kFloat));
+  at::Tensor u_sq = at::empty({n}, opts.dtype(at::kFloat));
+  dispatch_types(
+      lists[kGrad][0].scalar_type(), lists[kParam][0].scalar_type(), std::nullopt, "lamb_stage1",
+      [&](auto types) {
+        using Ty = decltype(types);
+        using acc_t = typename Ty::acc_t;
+        using grad_t = typename Ty::grad_t;
+        using param_t = typename Ty::param_t;
+        check_state_dtype<acc_t>(lists[kExpAvg], "lamb_stage1", "exp_avg");
+        check_state_dtype<acc_t>(lists[kExpAvgSq], "lamb_stage1", "exp_avg_sq");
+        const Hyper<acc_t> h = make_hyper<acc_t>(beta1, beta2, eps, t, bias_correction,
+                                                 weight_decay, grad_averaging, adam_w_mode);
+        const acc_t gs = static_cast<acc_t>(grad_scale);
+        // the CUDA traversal's group: 16 bytes of the widest slot
+        const int g = 16 / static_cast<int>(std::max({sizeof(grad_t), sizeof(param_t),
+                                                      sizeof(acc_t)}));
+        const std::vector<int> sizes{sizeof(grad_t), sizeof(param_t), sizeof(acc_t),
+                                     sizeof(acc_t)};
+        auto gp = cpu::pointers<grad_t>(lists[kGrad]);
+        auto pp = cpu::pointers<param_t>(lists[kParam]);
+        auto mp = cpu::pointers<acc_t>(lists[kExpAvg]);
+        auto vp = cpu::pointers<acc_t>(lists[kExpAvgSq]);
+        std::vector<acc_t> w_part(items.size()), u_part(items.size());
+        cpu::apply(items, [&](int64_t item, int64_t k, int64_t s, int64_t e) {
+          const auto hl = h;
+          const acc_t gsl = gs;
+          const grad_t* gk = gp[k] + s;
+          const param_t* pk = pp[k] + s;
+          acc_t* mk = mp[k] + s;
+          acc_t* vk = vp[k] + s;
+          const int64_t len = e - s;
+          thread_local std::vector<acc_t> w_row, u_row;
+          w_row.resize(cuda_order::kChunk);
+          u_row.resize(cuda_order::kChunk);
+          acc_t* wr = w_row.data();
+          acc_t* ur = u_row.data();
+          for (int64_t i = 0; i < len; ++i) {
+            const acc_t pi = static_cast<acc_t>(pk[i]);
+            const acc_t ui = stage1<acc_t>(pi, static_cast<acc_t>(gk[i]) * gsl, mk[i], vk[i], hl);
+            wr[i] = pi * pi;
+            ur[i] = ui * ui;
+          }
+          const std::vector<uintptr_t> addr{
+              reinterpret_cast<uintptr_t>(gk), reinterpret_cast<uintptr_t>(pk),
+              reinterpret_cast<uintptr_t>(mk), reinterpret_cast<uintptr_t>(vk)};
+          const int head = cuda_order::aligned_head(addr, sizes, g);
+          w_part[item] = cuda_order::chunk_sum(wr, len, head, g);
+          u_part[item] = cuda_order::chunk_sum(ur, len, head, g);
+        });
+        // per tensor as reduce_kernel, in acc_t, then fp32 as the CUDA kernel returns them
+        at::Tensor sums = at::empty({2, n}, opts.dtype(c10::CppTypeToScalarType<acc_t>::value));
+        acc_t* out = sums.data_ptr<acc_t>();
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t count = first[k + 1] - first[k];
+          out[k] = cuda_order::partials_sum(w_part.data() + first[k], count);
+          out[n + k] = cuda_order::partials_sum(u_part.data() + first[k], count);
+        }
+        sums = sums.to(at::kFloat);
+        w_sq.copy_(sums[0]);
+        u_sq.copy_(sums[1]);
+      });
+  return {w_sq, u_sq};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
     const TensorLists& lists, double beta1, double beta2, double eps, int64_t step,
     bool bias_correction, double weight_decay, bool grad_averaging, bool adam_w_mode,
     const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t,
-    const OptTensor& grad_norm_sq_t, double max_grad_norm) {
+    const OptTensor& grad_norm_sq_t, double max_grad_norm, bool cuda_order) {
   using namespace lamb;
   check_tensor_lists_no_out(lists, kStage1Depth, c10::DeviceType::CPU, "lamb_stage1");
   const int64_t n = static_cast<int64_t>(lists[0].size());
@@ -60,11 +151,15 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
   const bool fp64 = n > 0 && lists[kParam][0].scalar_type() == at::kDouble;
   const auto opts = at::TensorOptions().dtype(fp64 ? at::kDouble : at::kFloat);
   if (n == 0 || cpu::skip_step(found_inf_t)) return {at::zeros({n}, opts), at::zeros({n}, opts)};
+  const double t = cpu::scalar_or(step_t, static_cast<double>(step));
+  const double grad_scale = clipped_grad_scale(grad_scale_t, grad_norm_sq_t, max_grad_norm);
+  if (cuda_order) {
+    return stage1_cuda_order(lists, beta1, beta2, eps, t, bias_correction, weight_decay,
+                             grad_averaging, adam_w_mode, grad_scale, opts);
+  }
   const auto items = cpu::work_items(lists[0]);
   std::vector<double> w_part(items.size(), 0.0);
   std::vector<double> u_part(items.size(), 0.0);
-  const double t = cpu::scalar_or(step_t, static_cast<double>(step));
-  const double grad_scale = clipped_grad_scale(grad_scale_t, grad_norm_sq_t, max_grad_norm);
   dispatch_types(
       lists[kGrad][0].scalar_type(), lists[kParam][0].scalar_type(), std::nullopt, "lamb_stage1",
       [&](auto types) {

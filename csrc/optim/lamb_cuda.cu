@@ -143,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cuda(
     const TensorLists& lists, double beta1, double beta2, double eps, int64_t step,
     bool bias_correction, double weight_decay, bool grad_averaging, bool adam_w_mode,
     const OptTensor& step_t, const OptTensor& grad_scale_t, const OptTensor& found_inf_t,
-    const OptTensor& grad_norm_sq_t, double max_grad_norm) {
+    const OptTensor& grad_norm_sq_t, double max_grad_norm, bool /*cuda_order: its own*/) {
   using namespace lamb;
   check_tensor_lists_no_out(lists, kStage1Depth, c10::DeviceType::CUDA, "lamb_stage1");
   const int64_t n = static_cast<int64_t>(lists[0].size());

@@ -125,6 +125,7 @@ def stage1(
     max_grad_norm: float = 0.0,
     found_inf_t: torch.Tensor | None = None,
     as_is: bool = False,
+    cuda_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Moments; returns per-tensor sums of squares (of params, of update terms), same pass.
 
@@ -132,6 +133,8 @@ def stage1(
     term is not stored: stage 2 recomputes it from the moments. Every grad is multiplied by
     ``grad_scale_t`` and, given ``grad_norm_sq_t`` (the sum of squares of the grads as given) and
     ``max_grad_norm > 0``, by the clip factor, which the kernel computes on the device.
+    ``cuda_order``: on CPU tensors, the sums in the CUDA kernel's order, so that they have its
+    bits (the CPU update of an offloaded shard on a CUDA job).
     """
     args = stage1_args(
         group,
@@ -145,6 +148,7 @@ def stage1(
         grad_scale_t=grad_scale_t,
         found_inf_t=found_inf_t,
         **args,
+        **({"cuda_order": True} if cuda_order else {}),
         **kernels.as_is_kwargs(as_is),
     )
 

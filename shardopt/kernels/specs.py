@@ -211,11 +211,14 @@ SPECS: dict[str, KernelSpec] = {
             "Tensor(b!)[] exp_avg_sq, float beta1, float beta2, float eps, SymInt step, "
             "bool bias_correction, float weight_decay, bool grad_averaging, bool adam_w_mode, "
             "Tensor? step_t=None, Tensor? grad_scale_t=None, Tensor? found_inf_t=None, "
-            "Tensor? grad_norm_sq_t=None, float max_grad_norm=0.0) -> (Tensor w_sq, Tensor u_sq)",
+            "Tensor? grad_norm_sq_t=None, float max_grad_norm=0.0, bool cuda_order=False) -> "
+            "(Tensor w_sq, Tensor u_sq)",
             "LAMB's moments over [grads, params, exp_avg, exp_avg_sq]; returns the per-tensor "
             "sums of squares of the params (before the update) and of the update terms (fp32; "
             "fp64 on CPU when a param is fp64; zeros for a skipped step). With grad_norm_sq_t "
-            "and max_grad_norm > 0 the grads are clipped to max_grad_norm in the kernel.",
+            "and max_grad_norm > 0 the grads are clipped to max_grad_norm in the kernel. "
+            "cuda_order: the CPU kernel sums in the CUDA kernel's order (its bits, for CPU "
+            "offload on a CUDA job); the CUDA kernel ignores it.",
         ),
         KernelSpec(
             "lamb_stage2(Tensor(a!)[] params, Tensor[] exp_avg, Tensor[] exp_avg_sq, "

@@ -304,6 +304,8 @@ class DistributedFusedLAMB(DistributedOptimizer):
                     grad_norm_sq_t=self._to_update(buf, grad_norm_sq_t),
                     max_grad_norm=max_grad_norm,
                     **_amp_args(buf, scalars),
+                    # an offloaded key's CPU sums with the bits of the CUDA kernel's
+                    cuda_order=buf.offloaded and self.device.type == "cuda",
                 )
                 sums[:n].index_add_(0, call.index, w_sq.to(self.device, torch.float32))
                 sums[n:].index_add_(0, call.index, u_sq.to(self.device, torch.float32))
