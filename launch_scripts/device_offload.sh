@@ -20,7 +20,8 @@
 #             OMP_WAIT_POLICY=PASSIVE BENCH_OFFLOAD_BLOCKING_SYNC=1"), each capped at SETTINGS_S
 #             (80): an A/B of what the step is sensitive to, every row on the same host
 #             (SETTINGS_ARGS: more bench_offload.py arguments for these runs; BENCH_ARGS is not used;
-#             e.g. OFFLOAD_SETTINGS="default BENCH_OFFLOAD_BUCKET_MB=200" for larger buckets)
+#             e.g. OFFLOAD_SETTINGS="default BENCH_OFFLOAD_BUCKET_MB=200" for larger buckets; a
+#             setting of several variables joins them with commas: BENCH_OFFLOAD_BUCKET_MB=400,BENCH_OFFLOAD_SLOTS=2)
 #   bandwidth probe_host_bandwidth.py: the host's copy/read bandwidth against the CPU Adam alone,
 #             per bucket, and beside the pipeline's DMA (cap BANDWIDTH_S, 120)
 #   bench28   bench_offload.py at 2560 x 32 (2.8B), clipping off and on
@@ -125,11 +126,11 @@ for s in "${stages[@]}"; do
                t=$(allot "${TRACE_S:-60}")
                [ "$t" -ge 30 ] || { echo "trace $kv clip $clip skipped: time budget spent" | tee -a "$SUMMARY"; continue; }
                echo "-- trace: $kv, clip $clip" | tee -a "$SUMMARY"
-               ( [ "$kv" = default ] || export "${kv?}"
+               ( [ "$kv" = default ] || { IFS=, read -r -a kvs <<< "$kv"; export "${kvs[@]}"; }
                  timeout "$t" python3 launch_scripts/trace_offload.py --clip "$clip" \
-                   > "$LOG/trace_${kv//=/_}_$clip.log" 2>&1 )
+                   > "$LOG/trace_${kv//[=,]/_}_$clip.log" 2>&1 )
                grep -E "interval|iteration ms|kernel|update|job |wait_bucket|ev_sync|step\(\)|forward|backward|submit_early|stage|slot_take|copy_issue|restart|release|rs_wait" \
-                 "$LOG/trace_${kv//=/_}_$clip.log" | head -56 | tee -a "$SUMMARY"
+                 "$LOG/trace_${kv//[=,]/_}_$clip.log" | head -56 | tee -a "$SUMMARY"
              done
            done ;;
     bandwidth) timeout "$(allot "${BANDWIDTH_S:-120}")" python3 launch_scripts/probe_host_bandwidth.py \
@@ -143,10 +144,12 @@ for s in "${stages[@]}"; do
               sed -n '/^| kernel/,$p' "$LOG/bench_cpu_adam.log" | tee -a "$SUMMARY" ;;
     bench14) bench 1.4b 2048 24 "${BENCH14_S:-200}" ;;
     settings) read -r -a sets <<< "${OFFLOAD_SETTINGS:-default BENCH_OFFLOAD_THREADS=12 BENCH_OFFLOAD_THREADS=14 OMP_WAIT_POLICY=PASSIVE BENCH_OFFLOAD_BLOCKING_SYNC=1}"
+              n=0
               for kv in "${sets[@]}"; do
-                echo "-- setting: $kv" | tee -a "$SUMMARY"
-                ( [ "$kv" = default ] || export "${kv?}"
-                  BENCH_ARGS="--contenders offload ${SETTINGS_ARGS:-}" bench "1.4b_${kv//=/_}" 2048 24 "${SETTINGS_S:-80}" )
+                n=$((n + 1))
+                echo "-- setting $n: $kv" | tee -a "$SUMMARY"
+                ( [ "$kv" = default ] || { IFS=, read -r -a kvs <<< "$kv"; export "${kvs[@]}"; }
+                  BENCH_ARGS="--contenders offload ${SETTINGS_ARGS:-}" bench "1.4b_${n}_${kv//[=,]/_}" 2048 24 "${SETTINGS_S:-80}" )
               done ;;
     bench28) bench 2.8b 2560 32 "${BENCH28_S:-260}" ;;
     largest) t=$(allot "${LARGEST_BUDGET_S:-600}")

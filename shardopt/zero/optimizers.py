@@ -20,6 +20,7 @@ from shardopt.algorithms.validation import check_torch_flags
 from shardopt.zero import comm, state_storage
 from shardopt.zero.amp import StepScalars
 from shardopt.zero.engine import DistributedOptimizer
+from shardopt.zero.update_calls import sum_by_param
 
 _TORCH_FLAGS = ("maximize", "foreach", "fused", "differentiable")
 
@@ -284,6 +285,7 @@ class DistributedFusedLAMB(DistributedOptimizer):
         grad_norm_sq_t = scalars.sumsq if lamb.clips(max_grad_norm) else None
         n = len(self.params)
         sums = torch.zeros(2 * n, dtype=torch.float32, device=self.device)
+        index, w_parts, u_parts = [], [], []
         staged = []
         for key in self.keys:
             group, buf = self.param_groups[key.group_index], key.buffers
@@ -307,9 +309,12 @@ class DistributedFusedLAMB(DistributedOptimizer):
                     # an offloaded key's CPU sums with the bits of the CUDA kernel's
                     cuda_order=buf.offloaded and self.device.type == "cuda",
                 )
-                sums[:n].index_add_(0, call.index, w_sq.to(self.device, torch.float32))
-                sums[n:].index_add_(0, call.index, u_sq.to(self.device, torch.float32))
+                index.append(call.index)
+                w_parts.append(w_sq.to(self.device, torch.float32))
+                u_parts.append(u_sq.to(self.device, torch.float32))
                 staged.append((call, group, buf, masters, exp_avg, exp_avg_sq, step_t))
+        sum_by_param(sums[:n], index, w_parts)  # in a fixed order (also on CUDA)
+        sum_by_param(sums[n:], index, u_parts)
         comm.all_reduce(sums, self.process_group)
         for call, group, buf, masters, exp_avg, exp_avg_sq, step_t in staged:
             lamb.stage2(
@@ -388,6 +393,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
         sums = torch.zeros(n, dtype=torch.float32, device=self.device)
         maxes = torch.zeros(n, dtype=torch.float32, device=self.device)
         calls = {key.index: self._calls(key, per_tensor=True) for key in self.keys}
+        index, parts = [], []
         for key in self.keys:
             group, buf = self.param_groups[key.group_index], key.buffers
             inf_norm = group["norm_type"] == 0
@@ -399,7 +405,9 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
                 if inf_norm:
                     maxes.scatter_reduce_(0, call.index, per, reduce="amax")
                 else:
-                    sums.index_add_(0, call.index, per)
+                    index.append(call.index)
+                    parts.append(per)
+        sum_by_param(sums, index, parts)  # in a fixed order (also on CUDA)
         comm.all_reduce(sums, self.process_group)
         comm.all_reduce(maxes, self.process_group, op="max")
         scale = scalars.grad_scale_t.abs()

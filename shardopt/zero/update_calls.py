@@ -232,3 +232,16 @@ def _within(calls: list[Call], window: Range) -> list[Call]:
 def _space(bucket_range: Range, bucket) -> Range:
     """Key-space range of a bucket range."""
     return bucket_range.shift(bucket.space_range.start)
+
+
+def sum_by_param(out: torch.Tensor, index: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Adds each per-range value of ``values`` (one tensor per call, on ``out``'s device) into
+    ``out`` at its param (``index``: the calls' ``Call.index``), in one pass whose order is fixed:
+    a param's ranges are added one after the other in call and range order, starting from its
+    value in ``out``. A param spans several calls when it spans buckets; ``index_add_`` on CUDA
+    adds such duplicates with atomics, in an order that varies from run to run (LAMB's trust
+    ratios, NovoGrad's norms then differ in the last bit between runs, and between a GPU update
+    and the CPU update of an offloaded one). ``index_put_(accumulate=True)`` sorts the indices
+    stably and adds each param's values in sequence, on CUDA and on the CPU."""
+    if index:
+        out.index_put_((torch.cat(index),), torch.cat(values), accumulate=True)

@@ -59,10 +59,10 @@ def _model(dtype, width=64):
     return nn.Sequential(nn.Linear(width, 300), nn.Tanh(), nn.Linear(300, 70)).cuda().to(dtype)
 
 
-def _run(name, dtype, offload, clip=None, width=64):
+def _run(name, dtype, offload, clip=None, width=64, bucket_cap_mb=8000 * 4 / 2**20):
     cls, hyper = CLASSES[name]
     model = _model(dtype, width)
-    opt = cls(model.parameters(), **hyper, bucket_cap_mb=8000 * 4 / 2**20, offload=offload)
+    opt = cls(model.parameters(), **hyper, bucket_cap_mb=bucket_cap_mb, offload=offload)
     gen = torch.Generator(device="cuda").manual_seed(1)
     history = []
     for _ in range(STEPS):
@@ -104,10 +104,12 @@ def test_offload_matches_gpu(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_offload_lamb_matches_gpu_over_many_chunks(dtype):
     """LAMB's per-tensor sums over tensors of several CUDA chunks (65,536 elements each: the
-    first layer's 1,500 x 300 weight), clipped: the CPU sums take the CUDA kernel's order."""
+    first layer's 1,500 x 300 weight, in one bucket), with its built-in clipping: the CPU sums
+    take the CUDA kernel's order. (test_offload_matches_gpu's small buckets split params over
+    several buckets: their pieces' sums are added in a fixed order, ``sum_by_param``.)"""
     (h0, sd0, _), (h1, sd1, _) = (
-        _run("LAMB", dtype, None, width=1500),
-        _run("LAMB", dtype, "cpu", width=1500),
+        _run("LAMB", dtype, None, width=1500, bucket_cap_mb=8.0),
+        _run("LAMB", dtype, "cpu", width=1500, bucket_cap_mb=8.0),
     )
     for x, y in zip(h0, h1):
         for a, b in zip(x, y):

@@ -3,8 +3,10 @@
 import random
 
 import pytest
+import torch
 
 from shardopt.zero.layout import Range, plan_key
+from shardopt.zero.update_calls import sum_by_param
 
 CASES = [
     ([1], 1, 1, 1),
@@ -90,3 +92,40 @@ def test_bad_plan_arguments(kwargs):
     args = dict(world_size=2, bucket_numel=8, align_numel=4) | kwargs
     with pytest.raises(ValueError):
         plan_key([(0, 3)], **args)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+            ],
+        ),
+    ],
+)
+def test_sum_by_param_adds_each_params_pieces_in_order(device):
+    """Per-range sums (LAMB's, NovoGrad's) into per-param sums: a param's pieces in call and range
+    order, one after the other from its value in ``out``, the same bits run after run (CUDA's
+    ``index_add_`` adds duplicates with atomics)."""
+    gen = torch.Generator().manual_seed(0)
+    index = [torch.tensor([0, 1]), torch.tensor([1, 2, 1]), torch.tensor([1, 3])]
+    # magnitudes far apart, so that another order of the additions rounds differently
+    values = [
+        torch.randn(t.numel(), generator=gen) * 10.0 ** (4 * k - 4) for k, t in enumerate(index)
+    ]
+    start = torch.randn(4, generator=gen)
+    want = start.clone()
+    for ix, vals in zip(index, values):
+        for i, v in zip(ix.tolist(), vals):
+            want[i] = want[i] + v
+    for _ in range(3):
+        out = start.clone().to(device)
+        sum_by_param(out, [t.to(device) for t in index], [v.to(device) for v in values])
+        assert torch.equal(out.cpu(), want)
+    out = start.clone().to(device)
+    sum_by_param(out, [], [])
+    assert torch.equal(out.cpu(), start)
