@@ -236,12 +236,13 @@ def _space(bucket_range: Range, bucket) -> Range:
 
 def sum_by_param(out: torch.Tensor, index: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     """Adds each per-range value of ``values`` (one tensor per call, on ``out``'s device) into
-    ``out`` at its param (``index``: the calls' ``Call.index``), in one pass whose order is fixed:
-    a param's ranges are added one after the other in call and range order, starting from its
-    value in ``out``. A param spans several calls when it spans buckets; ``index_add_`` on CUDA
-    adds such duplicates with atomics, in an order that varies from run to run (LAMB's trust
-    ratios, NovoGrad's norms then differ in the last bit between runs, and between a GPU update
-    and the CPU update of an offloaded one). ``index_put_(accumulate=True)`` sorts the indices
-    stably and adds each param's values in sequence, on CUDA and on the CPU."""
+    ``out`` at its param (``index``: the calls' ``Call.index``), in one pass whose order does not
+    vary from run to run. A param spans several calls when it spans buckets; ``index_add_`` on
+    CUDA adds such duplicates with atomics, in an order that varies (LAMB's trust ratios and
+    NovoGrad's norms then differed in the last bit between runs, and between a GPU update and
+    the CPU update of an offloaded key: seen on an H200). ``index_put_(accumulate=True)`` sorts
+    the indices and adds each param's values in one thread: on the CPU in call and range order
+    from the value in ``out``; on CUDA in its kernel's own order (another rounding than the
+    CPU's, the same every run)."""
     if index:
         out.index_put_((torch.cat(index),), torch.cat(values), accumulate=True)
