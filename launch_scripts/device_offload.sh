@@ -128,9 +128,9 @@ for s in "${stages[@]}"; do
                echo "-- trace: $kv, clip $clip" | tee -a "$SUMMARY"
                ( [ "$kv" = default ] || { IFS=, read -r -a kvs <<< "$kv"; export "${kvs[@]}"; }
                  timeout "$t" python3 launch_scripts/trace_offload.py --clip "$clip" \
-                   > "$LOG/trace_${kv//[=,]/_}_$clip.log" 2>&1 )
-               grep -E "interval|iteration ms|kernel|update|job |wait_bucket|ev_sync|step\(\)|forward|backward|submit_early|stage|slot_take|copy_issue|restart|release|rs_wait" \
-                 "$LOG/trace_${kv//[=,]/_}_$clip.log" | head -56 | tee -a "$SUMMARY"
+                   > "$LOG/trace_${kv//[^A-Za-z0-9_.-]/_}_$clip.log" 2>&1 )
+               grep -E "interval|iteration ms|kernel|update|job |wait_bucket|ev_sync|step\(\)|forward|backward|submit_early|stage|slot_take|copy_issue|restart|release|rs_wait|hand|finish" \
+                 "$LOG/trace_${kv//[^A-Za-z0-9_.-]/_}_$clip.log" | head -72 | tee -a "$SUMMARY"
              done
            done ;;
     bandwidth) timeout "$(allot "${BANDWIDTH_S:-120}")" python3 launch_scripts/probe_host_bandwidth.py \
@@ -149,7 +149,7 @@ for s in "${stages[@]}"; do
                 n=$((n + 1))
                 echo "-- setting $n: $kv" | tee -a "$SUMMARY"
                 ( [ "$kv" = default ] || { IFS=, read -r -a kvs <<< "$kv"; export "${kvs[@]}"; }
-                  BENCH_ARGS="--contenders offload ${SETTINGS_ARGS:-}" bench "1.4b_${n}_${kv//[=,]/_}" 2048 24 "${SETTINGS_S:-80}" )
+                  BENCH_ARGS="--contenders offload ${SETTINGS_ARGS:-}" bench "1.4b_${n}_${kv//[^A-Za-z0-9_.-]/_}" 2048 24 "${SETTINGS_S:-80}" )
               done ;;
     bench28) bench 2.8b 2560 32 "${BENCH28_S:-260}" ;;
     largest) t=$(allot "${LARGEST_BUDGET_S:-600}")

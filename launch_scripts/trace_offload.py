@@ -5,13 +5,16 @@
 Wraps the offload pipeline's methods (staging, each bucket's update, the worker's CUDA event waits,
 the main thread's waits for buckets) with host timestamps and prints, for one iteration after
 warm-up and for the next forward, each one's count, total time and first start / last end in ms from
-the iteration's start (threads: ``MainThre`` the training loop, ``shardopt`` the offload worker).
+the iteration's start (threads: ``MainThread`` the training loop, ``shardopt-offload`` the offload
+worker, ``shardopt-update`` its update thread).
 ``kernel``: the Adam kernel calls as Python sees them (the C++ time plus the wait for the GIL when
-the call returns); ``stage``, ``slot_take``, ``copy_issue``, ``restart``, ``release``, ``rs_wait``:
-the worker's bookkeeping per bucket, part by part (nested: ``stage`` holds the bucket's
-reduce-scatter wait ``rs_wait``, a ``slot_take`` and a ``copy_issue``). The optimizer is the bench's
-(bench_offload_peers.py), so its environment settings apply: e.g. BENCH_OFFLOAD_SWITCH_INTERVAL=none
-leaves Python's switch interval at its default (CPUOffload(switch_interval=None)).
+the call returns), on the update thread with ``update``, ``restart``, ``release``; ``stage``,
+``hand``, ``finish``, ``slot_take``, ``copy_issue``, ``rs_wait``: the worker's bookkeeping per
+bucket, part by part (nested: ``stage`` holds the bucket's reduce-scatter wait ``rs_wait``, a
+``slot_take`` and a ``copy_issue``; ``finish`` the wait for the bucket's update and its copies
+up). The optimizer is the bench's (bench_offload_peers.py), so its environment settings apply:
+e.g. BENCH_OFFLOAD_SWITCH_INTERVAL=none leaves Python's switch interval at its default
+(CPUOffload(switch_interval=None)).
 """
 
 import argparse
@@ -29,6 +32,7 @@ from bench_offload_worker import init_process_group  # noqa: E402
 import shardopt.kernels as kernels  # noqa: E402
 import shardopt.zero.engine as eng  # noqa: E402
 import shardopt.zero.offload_pipeline as op  # noqa: E402
+import shardopt.zero.offload_slots as slots  # noqa: E402
 import shardopt.zero.offload_worker as ow  # noqa: E402
 import shardopt.zero.optimizers as zo  # noqa: E402
 
@@ -48,7 +52,7 @@ def rec(name, start, end=None):
     if ON[0]:
         EV.append(
             (
-                threading.current_thread().name[:8],
+                threading.current_thread().name[:16],
                 name,
                 (start - T0[0]) * 1e3,
                 ((end if end is not None else start) - T0[0]) * 1e3,
@@ -92,11 +96,13 @@ op.OffloadPipeline._stage = timed_waits(op.OffloadPipeline._stage)
 wrap(op.OffloadPipeline, "_stage", "stage")
 # the parts of a bucket's bookkeeping: the slot rings' reuse waits, each copy's issue (stream
 # switch, copy, event), the view's per-bucket reset, the host views' release
-wrap(op._Slots, "take", "slot_take")
+wrap(slots.Slots, "take", "slot_take")
 wrap(op.OffloadPipeline, "_copy", "copy_issue")
 wrap(op, "restart", "restart")
 wrap(op.host_state, "release", "release")
 wrap(op.OffloadPipeline, "_run", "job")
+wrap(op.OffloadPipeline, "_hand", "hand")
+wrap(op.OffloadPipeline, "_finish", "finish")
 wrap(op.OffloadPipeline, "submit_early", "submit_early")
 wrap(zo.DistributedFusedAdam, "_update", "update")
 wrap(ow.Progress, "wait_bucket", "wait_bucket")
@@ -155,7 +161,7 @@ def report(title):
         x[3] = max(x[3], b)
     print(title)
     for (th, n), (c, tot, a, b) in sorted(agg.items(), key=lambda kv: kv[1][2]):
-        print(f"  {th:8s} {n:16s} n={c:4d} total={tot:8.1f} first={a:8.1f} last_end={b:8.1f}")
+        print(f"  {th:16s} {n:16s} n={c:4d} total={tot:8.1f} first={a:8.1f} last_end={b:8.1f}")
     ups = [(a, b) for th, n, a, b in EV if n == "update"]
     print(
         "  updates (start, dur):",

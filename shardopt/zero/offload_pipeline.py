@@ -9,15 +9,16 @@ Note: the offloaded step
 
       1. the bucket's grad chunk (of the grad shard as ``step()`` left it: the worker holds its
          own reference) is copied, in its own dtype (bf16 grads: 2 B/param), into a staging
-         slot: on CUDA an asynchronous copy on a copy stream (ordered after the compute
-         stream's work at ``step()``) into a page-locked slot of
-         exact size (plain host memory registered with ``cudaHostRegister``, not torch's
-         power-of-two pinned cache); the next bucket's copy is issued before this bucket's
-         update runs, so the transfer overlaps the CPU work;
-      2. the update rule runs the same kernels on that bucket's part of the host state, on the
-         offload thread budget, writing the new params (cast in the kernel) into an out slot;
-      3. the out slot is copied into this rank's chunk of the sync space (asynchronously on
-         CUDA, then a CUDA event); the worker reports the bucket done (``Progress``), and the
+         slot (offload_slots.py): on CUDA an asynchronous copy on a copy stream (ordered after
+         the compute stream's work at ``step()``) into a page-locked slot of exact size; the
+         bucket is handed to the update thread (see Note: the update thread in
+         offload_worker.py), and the next bucket's copy is issued and that bucket handed over
+         while this one's update runs, so transfers and bookkeeping overlap the CPU work;
+      2. on the update thread, the update rule runs the same kernels on that bucket's part of
+         the host state, on the offload thread budget, writing the new params (cast in the
+         kernel) into an out slot;
+      3. the worker copies the out slot into this rank's chunk of the sync space (asynchronously
+         on CUDA, then a CUDA event) and reports the bucket done (``Progress``), and the
          main thread starts its all-gather, which waits for that event only (param_sync.py:
          at once without ``overlap_param_sync``, else when a forward needs the bucket or
          before the next grad sync). A ``remainder`` key (bf16 params with
@@ -63,22 +64,25 @@ Note: the worker's order during backward
     main thread instead: grads are staged for the whole key first
     (``host_state.stage_grads``). There are
     ``staging_slots`` slots per direction, each the size of the key's largest bucket chunk; a
-    slot is reused only once the copy that last used it has finished. On a CPU job the copies
+    slot is reused only once the copy and the update that last used it have finished (with one
+    slot, a bucket is handed over only after the previous one is done). On a CPU job the copies
     are host copies and run in the same order, so the schedule is the one CI tests.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
 
 import torch
 
-from shardopt.zero import host_memory, host_state
+from shardopt.zero import host_state
 from shardopt.zero.flat_buffer import ChunkedShard
 from shardopt.zero.layout import Range
 from shardopt.zero.offload_backward import EarlyUpdates
+from shardopt.zero.offload_slots import Slots
 from shardopt.zero.offload_worker import (
     OffloadWorker,
     Progress,
@@ -86,48 +90,6 @@ from shardopt.zero.offload_worker import (
     frozen_view,
     restart,
 )
-
-
-class _Slots:
-    """A ring of exact-size host buffers of one dtype (page-locked on CUDA when asked; on huge
-    pages when asked: Note: huge pages for host state in host_memory.py)."""
-
-    def __init__(
-        self, count: int, numel: int, dtype: torch.dtype, pin: bool, huge_pages: bool = False
-    ) -> None:
-        self.buffers = [host_memory.empty(numel, dtype, huge_pages) for _ in range(count)]
-        self.events: list[torch.cuda.Event | None] = [None] * count
-        self.pinned = False
-        if pin:
-            cudart = torch.cuda.cudart()
-            for b in self.buffers:  # flags 0: cudaHostRegisterDefault
-                if numel:
-                    code = cudart.cudaHostRegister(b.data_ptr(), b.numel() * b.element_size(), 0)
-                    if int(code) != 0:
-                        raise RuntimeError(f"cudaHostRegister failed with error {int(code)}")
-            self.pinned = True
-        self.next = 0
-
-    def take(self) -> tuple[int, torch.Tensor]:
-        """The next slot, once the copy that last used it has finished."""
-        i = self.next
-        self.next = (i + 1) % len(self.buffers)
-        if self.events[i] is not None:
-            self.events[i].synchronize()
-            self.events[i] = None
-        return i, self.buffers[i]
-
-    def release(self) -> None:
-        if self.pinned:
-            cudart = torch.cuda.cudart()
-            for b in self.buffers:
-                if b.numel():
-                    cudart.cudaHostUnregister(b.data_ptr())
-            self.pinned = False
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.release()
 
 
 class OffloadPipeline:
@@ -147,15 +109,18 @@ class OffloadPipeline:
         pin = pin and self.cuda
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
-        self.grad_slots: dict[int, _Slots] = {}
-        self.out_slots: dict[int, _Slots] = {}
-        self.param_slots: dict[int, _Slots] = {}
+        self.grad_slots: dict[int, Slots] = {}
+        self.out_slots: dict[int, Slots] = {}
+        self.param_slots: dict[int, Slots] = {}
+        #: buckets handed to the update thread and not yet finished, before the next is handed:
+        #: one queued behind the one updating, fewer than a ring has slots (see Note: ...)
+        self.ahead = min(1, slots - 1)
         for key in keys:
             buf = key.buffers
             numel = max((b.chunk_numel for b in key.layout.buckets), default=0)
 
-            def ring(dtype: torch.dtype, numel: int = numel) -> _Slots:
-                return _Slots(slots, numel, dtype, pin, huge_pages)
+            def ring(dtype: torch.dtype, numel: int = numel) -> Slots:
+                return Slots(slots, numel, dtype, pin, huge_pages)
 
             self.grad_slots[key.index] = ring(buf.grad_dtype)
             out_dtype = buf.sync_space.dtype if buf.master_kind == "copy" else None
@@ -196,15 +161,13 @@ class OffloadPipeline:
 
     def pinned_bytes(self) -> int:
         """Page-locked host bytes held (the staging slots only; the state is never pinned)."""
-        return sum(
-            sum(b.numel() * b.element_size() for b in r.buffers) for r in self._rings() if r.pinned
-        )
+        return sum(r.nbytes() for r in self._rings() if r.pinned)
 
     def staging_bytes(self) -> int:
         """Host bytes of every staging slot."""
-        return sum(sum(b.numel() * b.element_size() for b in r.buffers) for r in self._rings())
+        return sum(r.nbytes() for r in self._rings())
 
-    def _rings(self) -> list[_Slots]:
+    def _rings(self) -> list[Slots]:
         return [*self.grad_slots.values(), *self.out_slots.values(), *self.param_slots.values()]
 
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
@@ -368,74 +331,99 @@ class OffloadPipeline:
         self, optimizer, work: list, grads: dict, scalars, skipped: bool, progress,
         refill=None, waits: dict | None = None, afters: dict | None = None,
     ) -> None:  # fmt: skip
-        """The worker thread: each bucket's update, in ``work``'s order; ``refill`` (``_drain``):
-        called with the buckets still to update before each update and after the last, returns
-        them ordered, with the ones queued meanwhile merged in; ``waits``: reduce-scatter waits
-        by bucket id, each run when its bucket is staged; ``afters``: CUDA events by bucket id
-        that its copies down and up wait for (see Note: the worker's order during backward)."""
+        """The worker thread: each bucket's update, in ``work``'s order (see Note: the update
+        thread); ``refill`` (``_drain``): called with the buckets still to update before each
+        hand-over and after the last, returns them ordered, with the ones queued meanwhile
+        merged in; ``waits``: reduce-scatter waits by bucket id, each run when its bucket is
+        staged; ``afters``: CUDA events by bucket id that its copies down and up wait for (see
+        Note: the worker's order during backward)."""
         work = list(work)
         waits = {} if waits is None else waits
         afters = {} if afters is None else afters
+        handed: collections.deque = collections.deque()
+        try:
+            while True:
+                if refill is not None:
+                    work = refill(work)
+                if handed and (len(handed) > self.ahead or not work):
+                    self._finish(*handed.popleft(), skipped, progress, afters)
+                    continue  # the order may have changed while the worker waited
+                if not work:
+                    return
+                key, bucket = work.pop(0)
+                tag = (key.index, bucket.index)
+                staged = self._stage(key, bucket, grads, waits.pop(tag, None), afters.get(tag))
+                handed.append(self._hand(optimizer, key, bucket, staged, scalars))
+        except BaseException:
+            for entry in handed:  # no update is left running on the slots
+                with contextlib.suppress(BaseException):
+                    entry[-1].wait()
+            raise
 
-        def stage(kb: tuple) -> tuple:
-            tag = (kb[0].index, kb[1].index)
-            return self._stage(*kb, grads, waits.pop(tag, None), afters.get(tag))
+    def _hand(self, optimizer, key, bucket, staged: tuple, scalars) -> tuple:
+        """The worker: hands the update of ``bucket`` (its grads ``staged``) to the update
+        thread with an out slot; (key, bucket, out slot index, params' slot index, ticket)."""
+        grads, params, param_slot, event = staged
+        o, out = None, None
+        if key.index in self.out_slots:
+            o, out = self.out_slots[key.index].take()
+            out = out[: bucket.chunk_numel]
+        threads = optimizer.offload_plan.threads
 
-        staged = stage(work[0]) if work else None
-        while work:
-            key, bucket = work.pop(0)
-            buf = key.buffers
-            grad_slot, params, param_slot, event = staged
-            ahead = len(self.grad_slots[key.index].buffers) > 1
-            if refill is not None:
-                work = refill(work)
-            if work and ahead:  # the next transfer overlaps this bucket's update
-                staged = stage(work[0])
-            if event is not None:
-                event.synchronize()
-            shard = Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
-            buf.host_grad = ChunkedShard([grad_slot], [shard.start])
-            out = None
-            if key.index in self.out_slots:
-                o, out = self.out_slots[key.index].take()
-                out = out[: bucket.chunk_numel]
-                buf.host_out = ChunkedShard([out], [shard.start])
-            device_master = buf.master
-            if params is not None:  # the staged bf16 half of the masters, updated in place
-                buf.master = ChunkedShard([params], [shard.start])
-            try:
-                restart(optimizer)
-                with optimizer.update_calls.within(key, shard):
-                    optimizer._update(scalars)
-                    calls = optimizer._calls(key)
-            finally:
-                source = buf.master if out is None else buf.host_out
-                buf.master = device_master
-            event = None
-            after = afters.pop((key.index, bucket.index), None)
-            if after is not None:  # the params' last reads by backward before they are written
-                self.h2d.wait_event(after)
-            if not skipped and not buf.out_by_copy:
-                for call in calls:
-                    for shard_r, space_r in zip(call.shard_ranges, call.space_ranges):
-                        event = self._copy(
-                            self.h2d,
-                            buf.sync_space.narrow(0, space_r.start, space_r.numel),
-                            buf.shard_slice(source, shard_r),
-                        )
-                if out is not None:
-                    self.out_slots[key.index].events[o] = event
-                if params is not None:
-                    self.param_slots[key.index].events[param_slot] = event
+        def update() -> tuple:
+            with torch.no_grad(), host_state.threads(threads):
+                return self._update(optimizer, key, bucket, grads, params, out, event, scalars)
+
+        return key, bucket, o, param_slot, self.worker.hand(update)
+
+    @staticmethod
+    def _update(optimizer, key, bucket, grads, params, out, event, scalars) -> tuple:
+        """The update thread: one bucket's update (once its grads are in their slot) on the
+        host state, its new params into ``out`` (or ``params``, a remainder key's staged bf16
+        half, updated in place); (the kernel calls, the shard the new params are in)."""
+        if event is not None:
+            event.synchronize()
+        buf = key.buffers
+        shard = Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
+        buf.host_grad = ChunkedShard([grads], [shard.start])
+        if out is not None:
+            buf.host_out = ChunkedShard([out], [shard.start])
+        device_master = buf.master
+        if params is not None:  # the staged bf16 half of the masters, updated in place
+            buf.master = ChunkedShard([params], [shard.start])
+        try:
+            restart(optimizer)
+            with optimizer.update_calls.within(key, shard):
+                optimizer._update(scalars)
+                calls = optimizer._calls(key)
+        finally:
+            source = buf.master if out is None else buf.host_out
+            buf.master = device_master
             host_state.release(buf)
-            progress.publish((key.index, bucket.index), event)  # its all-gather may start
-            if not work and refill is not None:  # queued during this update: go on with them
-                work = refill(work)
-                if work:
-                    staged = stage(work[0])
-                continue
-            if work and not ahead:  # one slot: the next copy after the update
-                staged = stage(work[0])
+        return calls, source
+
+    def _finish(self, key, bucket, o, param_slot, ticket, skipped, progress, afters) -> None:
+        """The worker: once the bucket's update has run, its new params go up into the sync
+        space and the bucket is reported done (its all-gather may start)."""
+        calls, source = ticket.wait()
+        buf = key.buffers
+        event = None
+        after = afters.pop((key.index, bucket.index), None)
+        if after is not None:  # the params' last reads by backward before they are written
+            self.h2d.wait_event(after)
+        if not skipped and not buf.out_by_copy:
+            for call in calls:
+                for shard_r, space_r in zip(call.shard_ranges, call.space_ranges):
+                    event = self._copy(
+                        self.h2d,
+                        buf.sync_space.narrow(0, space_r.start, space_r.numel),
+                        buf.shard_slice(source, shard_r),
+                    )
+            if o is not None:
+                self.out_slots[key.index].events[o] = event
+            if param_slot is not None:
+                self.param_slots[key.index].events[param_slot] = event
+        progress.publish((key.index, bucket.index), event)
 
 
 def update(optimizer, scalars) -> None:

@@ -1,8 +1,9 @@
-"""CPU offload, the worker: the thread that runs one optimizer's offloaded bucket updates.
+"""CPU offload, the worker: the threads that run one optimizer's offloaded bucket updates.
 
 One ``OffloadWorker`` per optimizer with bucket-by-bucket offloaded keys (offload_pipeline.py).
-Its thread is started by the first step, is a daemon (it never keeps the interpreter alive), and
-is stopped by ``close()`` or when the optimizer is collected. A step hands it one job, the
+Its threads (the worker and its update thread, see Note: the update thread) are started by the
+first step, are daemons (they never keep the interpreter alive), and are stopped by ``close()``
+or when the optimizer is collected. A step hands the worker one job, the
 update of every offloaded bucket in forward order (see Note: the offloaded step in
 offload_pipeline.py); the job reports each bucket through a ``Progress`` as soon as its new
 params are on their way into the sync space, and ``param_sync.py`` starts the bucket's
@@ -15,8 +16,22 @@ in the job is kept with its traceback and raised on the main thread at the next 
 point (``Progress.raise_error``), after every all-gather of the step has been started, so the
 other ranks' all-gathers still complete and no rank hangs.
 
+Note: the update thread
+    A bucket's update (its kernels, the update rule's Python around them) runs on the update
+    thread, the bucket's bookkeeping on the worker: the copy of its grads into a staging slot,
+    its hand-over (``hand``, a ``Ticket``), then, once the update has run, the copies of its new
+    params up and its report to ``Progress``. The worker hands the next bucket over before it
+    waits for the one updating, so the update thread finds it queued when the current one ends,
+    and the bookkeeping of one bucket runs while the kernels of the next one do: run on one
+    thread, it ran between the kernels, with the update's CPU threads idle. On one H200 that was
+    about 40 ms of an iteration of the 1.32B GPT (0.8 ms a bucket: copy issues, staging, event
+    waits; docs/benchmarks.md, ninth session). The updates run one after the other in the
+    order handed, on the same host state as before, so the bits do not change; at most one
+    bucket waits queued behind the one updating, so a ring of staging slots is never reused
+    while an update reads or writes it (offload_slots.py).
+
 Note: the worker and the GIL
-    The kernels run without the GIL, but the worker takes it back after every kernel and copy
+    The kernels run without the GIL, but the threads take it back after every kernel and copy
     call (a few per bucket) to run the bucket's bookkeeping. When the training loop's thread
     holds the GIL then (launching the forward, autograd hooks), the worker waits until the
     holder is asked to drop it, which Python does after the thread switch interval (0.005 s by
@@ -167,12 +182,55 @@ class _SwitchInterval:
 _SWITCH = _SwitchInterval()
 
 
-def _stop(jobs: queue.SimpleQueue, thread: list[threading.Thread], held: list[bool]) -> None:
+class Ticket:
+    """One bucket's update handed to the update thread (``OffloadWorker.hand``)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result = None
+        self._error: BaseException | None = None
+
+    def wait(self):
+        """Blocks until the update has run; its result, or raises what it raised."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _serve(updates: queue.SimpleQueue) -> None:
+    """The update thread: runs the bucket updates handed to it, one after the other, until the
+    stop mark (None); a ticket always ends, also when its update raised."""
+    while True:
+        item = updates.get()
+        if item is None:
+            return
+        fn, ticket = item
+        del item
+        try:
+            ticket._result = fn()
+        except BaseException as e:  # noqa: BLE001 - raised on the worker by Ticket.wait
+            ticket._error = e
+        finally:
+            del fn
+            ticket._done.set()
+            del ticket
+
+
+def _stop(
+    jobs: queue.SimpleQueue, thread: list[threading.Thread], held: list[bool],
+    updates: queue.SimpleQueue, updater: list[threading.Thread],
+) -> None:  # fmt: skip
     if thread:
         jobs.put(None)
         if thread[0] is not threading.current_thread():
             thread[0].join()
         thread.clear()
+    if updater:  # after the worker: its last job may still hand updates
+        updates.put(None)
+        if updater[0] is not threading.current_thread():
+            updater[0].join()
+        updater.clear()
     if held:
         held.clear()
         _SWITCH.release()
@@ -188,12 +246,16 @@ class OffloadWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: list[threading.Thread] = []  # the thread, once started
         self._held: list[bool] = []  # [True] while this worker holds a _SWITCH request
-        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, self._held)
+        self._updates: queue.SimpleQueue = queue.SimpleQueue()
+        self._updater: list[threading.Thread] = []  # the update thread, once started
+        self._finalizer = weakref.finalize(
+            self, _stop, self._jobs, self._thread, self._held, self._updates, self._updater
+        )
 
     @property
     def alive(self) -> bool:
-        """Whether the thread is running."""
-        return bool(self._thread) and self._thread[0].is_alive()
+        """Whether one of its threads (the worker, the update thread) is running."""
+        return any(t.is_alive() for t in (*self._thread, *self._updater))
 
     def submit(self, fn: Callable[[], None], progress: Progress) -> None:
         """Runs ``fn`` on the worker thread (started on first use), as a job of ``progress``'s
@@ -215,9 +277,28 @@ class OffloadWorker:
             self._thread.append(thread)
         self._jobs.put((fn, progress))
 
+    def hand(self, fn: Callable[[], object]) -> Ticket:
+        """Runs ``fn`` (one bucket's update) on the update thread (started on first use), after
+        the updates handed before it (see Note: the update thread)."""
+        if not self._updater:
+            device = self.device
+
+            def run(updates: queue.SimpleQueue = self._updates) -> None:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                _serve(updates)
+
+            thread = threading.Thread(target=run, name="shardopt-update", daemon=True)
+            thread.start()
+            self._updater.append(thread)
+        ticket = Ticket()
+        self._updates.put((fn, ticket))
+        return ticket
+
     def stop(self) -> None:
-        """Stops the thread after the job in hand (idempotent; a later submit starts another)."""
-        _stop(self._jobs, self._thread, self._held)
+        """Stops the threads after the job in hand (idempotent; a later submit starts them
+        again)."""
+        _stop(self._jobs, self._thread, self._held, self._updates, self._updater)
 
 
 def frozen_view(optimizer, steps_ahead: int = 0, unused: frozenset[int] | None = None):

@@ -257,14 +257,19 @@ class SlowAdam(shardopt.DistributedFusedAdam):
 
     delay = 0.0
     fail_on_rank: int | None = None
+    #: (thread name, start, end) of each offloaded bucket's update
+    spans: list = []
 
     def _update(self, scalars):
         worker = threading.current_thread() is not threading.main_thread()
         if worker and self.fail_on_rank in (self.sharded.rank, -1):
             raise ValueError("boom in the worker")
+        start = time.perf_counter()
         if worker:
             time.sleep(self.delay)
         super()._update(scalars)
+        if worker:
+            self.spans.append((threading.current_thread().name, start, time.perf_counter()))
 
 
 def _overlapped(name, dtype, offload, rank, steps=4):
@@ -325,10 +330,11 @@ def _kept_calls_of(calls, keys):
 def worker(rank, world):
     """The offload worker thread: with overlap_param_sync the same bits as without offload
     (Adam bf16 and Adagrad fp32, lr changed right after step); step() returns before the worker
-    is done and a forward waits only for its own buckets; the thread stops on close(); an
-    error in the worker is raised on the main thread (on every rank at the next sync point,
-    and no rank hangs when only one rank's worker fails). While a worker runs, the switch
-    interval is at most CPUOffload.switch_interval's."""
+    is done and a forward waits only for its own buckets; the updates run on the update thread
+    back to back, the worker's part of each bucket beside the next one's update; the threads
+    stop on close(); an error in an update is raised on the main thread (on every rank at the
+    next sync point, and no rank hangs when only one rank's worker fails). While a worker runs,
+    the switch interval is at most CPUOffload.switch_interval's."""
     for name, dtype in (("Adam", BF16), ("Adagrad", torch.float32)):
         h0, sd0, _ = _overlapped(name, dtype, None, rank)
         h1, sd1, opt = _overlapped(name, dtype, "cpu", rank)
@@ -343,7 +349,16 @@ def worker(rank, world):
     opt = SlowAdam(model.parameters(), lr=0.01, bucket_cap_mb=1000 * 4 / 2**20, offload="cpu",
                    overlap_param_sync=True)  # fmt: skip
     _backward(model, rank, 0)
-    opt.delay = 0.2
+    opt.delay = 0.4
+    pipeline = opt._offload_pipeline
+    finish = pipeline._finish
+
+    def slow_finish(*args, **kwargs):  # the worker's part of a bucket after its update
+        finish(*args, **kwargs)
+        time.sleep(0.3)
+
+    pipeline._finish = slow_finish
+    opt.spans = []
     opt.step()
     sync = opt.param_sync
     progress = sync.progress
@@ -354,6 +369,12 @@ def worker(rank, world):
     assert 0 < sync._issued < buckets, (sync._issued, buckets)
     opt.wait_param_sync()
     assert sync.progress is None and not sync.busy
+    # Note: the update thread: every update ran there, one right after the other: the worker's
+    # part of a bucket (0.3 s here) ran while the next bucket's update (0.4 s) did, not between
+    assert len(opt.spans) == buckets and {n for n, *_ in opt.spans} == {"shardopt-update"}
+    gaps = [b[1] - a[2] for a, b in zip(opt.spans, opt.spans[1:])]
+    assert max(gaps) < 0.15, gaps
+    pipeline._finish = finish
     opt.delay = 0.0
     for overlap in (False, True):
         for failing in (-1, world - 1):
