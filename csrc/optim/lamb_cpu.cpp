@@ -50,6 +50,17 @@ at::Tensor norms_in_double(const at::Tensor& t, bool squared) {
   return out;
 }
 
+// Stage 1's hyperparameters in acc_t, once its moments are checked to be acc_t (both traversals).
+template <typename acc_t>
+lamb::Hyper<acc_t> stage1_hyper(const TensorLists& lists, double beta1, double beta2, double eps,
+                                double t, bool bias_correction, double weight_decay,
+                                bool grad_averaging, bool adam_w_mode) {
+  check_state_dtype<acc_t>(lists[lamb::kExpAvg], "lamb_stage1", "exp_avg");
+  check_state_dtype<acc_t>(lists[lamb::kExpAvgSq], "lamb_stage1", "exp_avg_sq");
+  return lamb::make_hyper<acc_t>(beta1, beta2, eps, t, bias_correction, weight_decay,
+                                 grad_averaging, adam_w_mode);
+}
+
 // lamb_stage1 with the sums in the CUDA kernel's order (see norm/cuda_order_cpu.h): the moments
 // as in the default path, each CUDA chunk's squares of p and u into scratch rows (rounded as the
 // CUDA kernel rounds them), summed per chunk as its block does, then per tensor as reduce_kernel.
@@ -81,10 +92,8 @@ std::tuple<at::Tensor, at::Tensor> stage1_cuda_order(const TensorLists& lists, d
         using acc_t = typename Ty::acc_t;
         using grad_t = typename Ty::grad_t;
         using param_t = typename Ty::param_t;
-        check_state_dtype<acc_t>(lists[kExpAvg], "lamb_stage1", "exp_avg");
-        check_state_dtype<acc_t>(lists[kExpAvgSq], "lamb_stage1", "exp_avg_sq");
-        const Hyper<acc_t> h = make_hyper<acc_t>(beta1, beta2, eps, t, bias_correction,
-                                                 weight_decay, grad_averaging, adam_w_mode);
+        const Hyper<acc_t> h = stage1_hyper<acc_t>(lists, beta1, beta2, eps, t, bias_correction,
+                                                   weight_decay, grad_averaging, adam_w_mode);
         const acc_t gs = static_cast<acc_t>(grad_scale);
         // the CUDA traversal's group: 16 bytes of the widest slot
         const int g = 16 / static_cast<int>(std::max({sizeof(grad_t), sizeof(param_t),
@@ -165,10 +174,8 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
       [&](auto types) {
         using Ty = decltype(types);
         using acc_t = typename Ty::acc_t;
-        check_state_dtype<acc_t>(lists[kExpAvg], "lamb_stage1", "exp_avg");
-        check_state_dtype<acc_t>(lists[kExpAvgSq], "lamb_stage1", "exp_avg_sq");
-        const Hyper<acc_t> h = make_hyper<acc_t>(beta1, beta2, eps, t, bias_correction,
-                                                 weight_decay, grad_averaging, adam_w_mode);
+        const Hyper<acc_t> h = stage1_hyper<acc_t>(lists, beta1, beta2, eps, t, bias_correction,
+                                                   weight_decay, grad_averaging, adam_w_mode);
         const acc_t gs = static_cast<acc_t>(grad_scale);
         auto g = cpu::pointers<typename Ty::grad_t>(lists[kGrad]);
         auto p = cpu::pointers<typename Ty::param_t>(lists[kParam]);
