@@ -113,7 +113,8 @@ class OffloadPipeline:
         self.out_slots: dict[int, Slots] = {}
         self.param_slots: dict[int, Slots] = {}
         #: buckets handed to the update thread and not yet finished, before the next is handed:
-        #: one queued behind the one updating, fewer than a ring has slots (see Note: ...)
+        #: one queued behind the one updating, fewer than a ring has slots (see Note: the
+        #: update thread in offload_worker.py)
         self.ahead = min(1, slots - 1)
         for key in keys:
             buf = key.buffers

@@ -25,7 +25,10 @@ Note: the update thread
     and the bookkeeping of one bucket runs while the kernels of the next one do: run on one
     thread, it ran between the kernels, with the update's CPU threads idle. On one H200 that was
     about 40 ms of an iteration of the 1.32B GPT (0.8 ms a bucket: copy issues, staging, event
-    waits; docs/benchmarks.md, ninth session). The updates run one after the other in the
+    waits; docs/benchmarks.md, ninth session). With it the update thread was busy 97% of a
+    clipped job (tenth session), but the step did not measurably change against the one-thread
+    pipeline on the same host: the kernels' own time in the pipeline is what is left. The
+    updates run one after the other in the
     order handed, on the same host state as before, so the bits do not change; at most one
     bucket waits queued behind the one updating, so a ring of staging slots is never reused
     while an update reads or writes it (offload_slots.py).
