@@ -119,7 +119,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         process_group = apex["process_group"]
         apex_compat.check_apex_groups(name, whole_group, process_group, redundant_process_group)
         super().__init__(params, defaults)
-        error, storage, ub, offload_settings = None, None, None, None
+        error, storage, ub, offload_settings, placement = None, None, None, None, None
         try:  # a setting wrong on one rank only must fail on every rank, not hang the others
             check_param_dtypes(self.param_groups, name)
             check_settings(
@@ -135,6 +135,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 supported=self.compact_storage,
             )
             offload_settings = offload_plan.resolve(name, offload)
+            placement = offload_auto.numa_placement(name, offload_settings, self.param_groups)
             if offload_settings is not None and capturable:
                 raise ValueError(
                     f"{name}: capturable=True cannot offload (the CPU update syncs with the "
@@ -153,6 +154,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             error = e
         comm.raise_if_any(error, process_group)
         self.redundant_process_group = redundant_process_group
+        #: the NUMA placement of the offloaded host state and update (None: not placed)
+        self._offload_placement = placement
         fraction = offload_auto.agreed_fraction(self, offload_settings, storage, process_group)
         #: the NCCL-registered pool of ``nccl_ub=True`` (shardopt/zero/user_buffers.py), or None
         self._user_buffers = ub
@@ -186,8 +189,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         process_group = self.process_group
         redundant_process_group = self.redundant_process_group
         offload_settings = self._offload_settings
-        # offloaded host state is zero-filled by the intra-op threads that will update it (first
-        # touch places its pages near them)
+        # offloaded host state is zero-filled in parallel (the update's thread budget), its pages
+        # preferred on the placement's NUMA node before that first touch (host_numa.py)
         with offload_auto.first_touch(self, offload_settings):
             self.sharded = ShardedParams(
                 self.param_groups,

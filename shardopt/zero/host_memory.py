@@ -15,8 +15,9 @@ Note: huge pages for host state
     2 MiB pages they would share their low 21 bits, and streams read in lockstep would fall into
     the same cache sets and DRAM banks at every element. A tensor keeps its mapping alive; the
     mapping is unmapped when the last view of it is freed. The fill that follows the allocation is
-    the pages' first touch, done by the update's intra-op threads (the ``host_state.threads``
-    context the engine allocates in).
+    the pages' first touch, parallel over the update's thread budget (the ``host_state.threads``
+    context the engine allocates in); on a host with several NUMA nodes the pages are preferred
+    on the placement's node before it (``on_node``, Note: NUMA placement in host_numa.py).
 
     Measured on the one-H200 box (16 cores, THP ``madvise``; docs/benchmarks.md, "CPU offload"):
     the offload kernel alone over 402M params (launch_scripts/probe_host_pages.py, one round,
@@ -30,10 +31,15 @@ Note: huge pages for host state
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
+import threading
+from collections.abc import Iterator
 
 import torch
+
+from shardopt.zero import host_numa
 
 #: the size of a transparent huge page on x86-64 and on arm64 with 4 KiB base pages
 HUGE_PAGE = 2 << 20
@@ -43,6 +49,21 @@ MIN_BYTES = HUGE_PAGE
 #: (64 B-aligned; distinct modulo 4 KiB and modulo 128 KiB, an L2 way's span)
 OFFSETS = tuple(k * (16 * 1024 + 576) for k in range(7))
 _allocations = itertools.count()
+#: ``node``: the NUMA node this thread's host tensors are preferred on (``on_node``), or None
+_placing = threading.local()
+
+
+@contextlib.contextmanager
+def on_node(node: int | None) -> Iterator[None]:
+    """Inside, the host tensors this thread allocates here have their pages preferred on NUMA
+    ``node`` before their first touch (None: left to the OS; Note: NUMA placement in
+    host_numa.py)."""
+    before = getattr(_placing, "node", None)
+    _placing.node = node
+    try:
+        yield
+    finally:
+        _placing.node = before
 
 
 def empty(
@@ -50,7 +71,16 @@ def empty(
 ) -> torch.Tensor:
     """An uninitialised host tensor of ``numel`` elements; with ``huge_pages`` and 2 MiB or more,
     in its own mapping advised ``MADV_HUGEPAGE``, starting ``offset`` bytes (a multiple of 64;
-    default: the next of ``OFFSETS``) into a huge page (Note: huge pages for host state)."""
+    default: the next of ``OFFSETS``) into a huge page (Note: huge pages for host state); inside
+    ``on_node``, its pages preferred on that NUMA node."""
+    t = _mapped(numel, dtype, huge_pages, offset)
+    node = getattr(_placing, "node", None)
+    if node is not None:  # before the first touch
+        host_numa.prefer_node(t, node)
+    return t
+
+
+def _mapped(numel: int, dtype: torch.dtype, huge_pages: bool, offset: int | None) -> torch.Tensor:
     nbytes = numel * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if not huge_pages or nbytes < MIN_BYTES or advice is None:

@@ -14,12 +14,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Iterator
 
 import torch
 
 from shardopt import kernels as _ops
-from shardopt.zero import comm, host_state, offload_measure, offload_pipeline, offload_replan
-from shardopt.zero.offload_plan import CPUOffload, OffloadPlan, floor_fraction, thread_budget
+from shardopt.zero import (
+    comm,
+    host_memory,
+    host_numa,
+    host_state,
+    offload_measure,
+    offload_pipeline,
+    offload_replan,
+)
+from shardopt.zero.host_numa import Placement
+from shardopt.zero.offload_plan import (
+    CPUOffload,
+    OffloadPlan,
+    floor_fraction,
+    local_ranks,
+    thread_budget,
+)
 from shardopt.zero.offload_replan import at_boundary  # noqa: F401  (the engine's step boundary)
 from shardopt.zero.state_storage import Storage
 
@@ -37,6 +53,9 @@ def agreed_fraction(
     if settings is None:
         return None
     optimizer._offload_threads = thread_budget(settings.threads)
+    placement = optimizer._offload_placement
+    if placement is not None and settings.threads is None:  # the node's CPUs, not the host's
+        optimizer._offload_threads = min(optimizer._offload_threads, len(placement.cpus))
     optimizer._offload_reason = f"fraction={settings.fraction} as requested"
     optimizer._offload_measurements = {}
     if settings.fraction != "auto":
@@ -77,13 +96,31 @@ def agreed_fraction(
     return fraction
 
 
-def first_touch(optimizer, settings: CPUOffload | None) -> contextlib.AbstractContextManager:
+def numa_placement(owner: str, settings: CPUOffload | None, param_groups) -> Placement | None:
+    """Where the host state and the update go on a host with several NUMA nodes (Note: NUMA
+    placement in host_numa.py); raises ValueError naming ``owner`` for a node it cannot use."""
+    if settings is None or settings.numa_node is None:
+        return None
+    params = [p for g in param_groups for p in g["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    try:
+        return host_numa.placement(settings.numa_node, device, local_ranks())
+    except ValueError as e:
+        raise ValueError(f"{owner}: {e}") from None
+
+
+@contextlib.contextmanager
+def first_touch(optimizer, settings: CPUOffload | None) -> Iterator[None]:
     """The context the host state is allocated in: the update's thread budget, so the zero fill
-    (parallel over the same intra-op pool as the update kernels) first-touches each page from a
-    thread of that pool (NUMA-local to it on a multi-node host, as far as the OS places it)."""
+    is parallel, and the NUMA node its pages are preferred on, if placed (Note: NUMA placement
+    in host_numa.py)."""
     if settings is None:
-        return contextlib.nullcontext()
-    return host_state.threads(optimizer._offload_threads)
+        yield
+        return
+    placement = optimizer._offload_placement
+    node = placement.node if placement is not None else None
+    with host_state.threads(optimizer._offload_threads), host_memory.on_node(node):
+        yield
 
 
 def record(optimizer, settings: CPUOffload | None, fraction: float | None) -> OffloadPlan | None:
@@ -114,13 +151,15 @@ def record(optimizer, settings: CPUOffload | None, fraction: float | None) -> Of
         device_numel=count(device, "numel"),
         measurements=dict(optimizer._offload_measurements),
         device_bytes_saved=saved,
+        numa_node=optimizer._offload_placement.node if optimizer._offload_placement else None,
     )
     # auto logs its decision once, when it is taken after the first steps (offload_replan.py)
     if optimizer.rank == 0 and settings.fraction != "auto":
         logger.info(
-            "%s: CPU offload of %d params (%d shard elements) on %d threads, %d params on the "
-            "GPU; %s",
+            "%s: CPU offload of %d params (%d shard elements) on %d threads%s, %d params on "
+            "the GPU; %s",
             type(optimizer).__name__, plan.host_params, plan.host_numel, plan.threads,
+            "" if plan.numa_node is None else f" of NUMA node {plan.numa_node}",
             plan.device_params, plan.reason,
         )  # fmt: skip
     return plan
@@ -130,6 +169,7 @@ def attach(optimizer, settings: CPUOffload | None) -> None:
     """A built optimizer's ``_offload_plan`` and ``_offload_pipeline`` (None without offload);
     with ``fraction="auto"``, the timer of its first steps (offload_replan.install)."""
     optimizer._offload_plan = record(optimizer, settings, optimizer.config.offload_fraction)
-    optimizer._offload_pipeline = offload_pipeline.OffloadPipeline.of(optimizer, settings)
+    with first_touch(optimizer, settings):  # the staging slots
+        optimizer._offload_pipeline = offload_pipeline.OffloadPipeline.of(optimizer, settings)
     if settings is not None and settings.fraction == "auto":
         offload_replan.install(optimizer)

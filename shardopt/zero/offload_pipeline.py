@@ -104,6 +104,7 @@ class OffloadPipeline:
         overlap_backward=False,
         huge_pages: bool = False,
         switch_interval: float | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.cuda = device.type == "cuda"
         pin = pin and self.cuda
@@ -130,7 +131,7 @@ class OffloadPipeline:
             if buf.master_kind == "remainder":  # the bf16 half of the masters, down and up
                 self.param_slots[key.index] = ring(buf.param_space.dtype)
         #: the thread that runs the offloaded updates (started by the first step)
-        self.worker = OffloadWorker(device, switch_interval)
+        self.worker = OffloadWorker(device, switch_interval, cpus)
         #: the updates that start during backward (offload_backward.py)
         self.early = EarlyUpdates(overlap_backward)
         #: buckets handed over during backward not yet taken by the worker, by step (the
@@ -154,6 +155,7 @@ class OffloadPipeline:
             settings.overlap_backward if optimizer.redundant_process_group is None else False,
             settings.huge_pages,
             settings.switch_interval,
+            placement.cpus if (placement := optimizer._offload_placement) is not None else None,
         )  # fmt: skip (HSDP: the grads take one more all-reduce after the reduce-scatters)
         # the last step's all-gathers still with the worker start before the next grad sync
         optimizer.grad_sync.before_sync = optimizer.param_sync.flush

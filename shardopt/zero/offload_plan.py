@@ -67,6 +67,11 @@ class CPUOffload:
             kernel and copy call, and with Python's default (0.005 s) it can wait that long each
             time the training loop holds the GIL, with the update's threads idle (see Note: the
             worker and the GIL in shardopt/zero/offload_worker.py). None: leave it as it is.
+        numa_node: on a host with several NUMA nodes, the node whose memory holds the host
+            state and whose CPUs run the update. ``"auto"``: the CUDA device's node, when there
+            are at least as many local ranks as nodes with CPUs (else, and on a host with one
+            node, nothing is placed); an int: that node; None: no placement (see Note: NUMA
+            placement in shardopt/zero/host_numa.py). The values do not depend on it.
     """
 
     fraction: Fraction = 1.0
@@ -76,6 +81,7 @@ class CPUOffload:
     overlap_backward: bool | Literal["auto"] = False
     huge_pages: bool = False
     switch_interval: float | None = 2e-4
+    numa_node: int | Literal["auto"] | None = "auto"
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,9 @@ class OffloadPlan:
     #: ``fraction="auto"``: the step after which the fraction was re-planned from the measured
     #: backward (None before that, and for a fixed fraction)
     replanned_at_step: int | None = None
+    #: the NUMA node of the host state and the update's CPUs (None: not placed; Note: NUMA
+    #: placement in host_numa.py)
+    numa_node: int | None = None
 
 
 def resolve(owner: str, offload: object) -> CPUOffload | None:
@@ -130,6 +139,12 @@ def resolve(owner: str, offload: object) -> CPUOffload | None:
         value = getattr(offload, flag)
         if not isinstance(value, bool):
             raise TypeError(f"{owner}: CPUOffload.{flag} must be a bool, got {value!r}")
+    n = offload.numa_node
+    if n is not None and n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ValueError(
+            f"{owner}: CPUOffload.numa_node must be 'auto', a node number (an int >= 0) or "
+            f"None, got {n!r}"
+        )
     si = offload.switch_interval
     if si is not None and (isinstance(si, bool) or not isinstance(si, int | float) or not si > 0):
         raise ValueError(
@@ -144,6 +159,12 @@ def resolve(owner: str, offload: object) -> CPUOffload | None:
     return offload
 
 
+def local_ranks(env: dict[str, str] | None = None) -> int:
+    """The ranks on this host (torchrun's ``LOCAL_WORLD_SIZE``; 1 when unset or invalid)."""
+    local = (os.environ if env is None else env).get("LOCAL_WORLD_SIZE", "1")
+    return int(local) if local.isdigit() and int(local) > 0 else 1
+
+
 def thread_budget(threads: int | None, env: dict[str, str] | None = None) -> int:
     """CPU threads of one rank's update: ``threads``, or the usable cores split evenly among the
     local ranks (``LOCAL_WORLD_SIZE``), so ranks of one host never oversubscribe it, less one
@@ -151,9 +172,7 @@ def thread_budget(threads: int | None, env: dict[str, str] | None = None) -> int
     backward kernels the update overlaps (docs/offload.md: measured on one H200)."""
     if threads is not None:
         return threads
-    env = os.environ if env is None else env
-    local = env.get("LOCAL_WORLD_SIZE", "1")
-    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    ranks = local_ranks(env)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -59,7 +59,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardopt.zero import host_state
+from shardopt.zero import host_numa, host_state
 
 
 class Progress:
@@ -242,8 +242,16 @@ def _stop(
 class OffloadWorker:
     """The persistent thread of one optimizer's offloaded updates (see the module docstring)."""
 
-    def __init__(self, device: torch.device, switch_interval: float | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        switch_interval: float | None = None,
+        cpus: frozenset[int] | None = None,
+    ) -> None:
         self.device = device
+        #: the CPUs the update thread (and the intra-op threads it starts) runs on (None: any;
+        #: Note: NUMA placement in host_numa.py)
+        self.cpus = cpus
         #: the switch interval asked for while the thread runs (None: left as it is)
         self.switch_interval = switch_interval
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -284,11 +292,13 @@ class OffloadWorker:
         """Runs ``fn`` (one bucket's update) on the update thread (started on first use), after
         the updates handed before it (see Note: the update thread)."""
         if not self._updater:
-            device = self.device
+            device, cpus = self.device, self.cpus
 
             def run(updates: queue.SimpleQueue = self._updates) -> None:
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
+                if cpus is not None:  # before its first kernel starts the intra-op threads
+                    host_numa.pin_this_thread(cpus)
                 _serve(updates)
 
             thread = threading.Thread(target=run, name="shardopt-update", daemon=True)

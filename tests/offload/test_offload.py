@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from torch import nn
 
 import shardopt
 from shardopt import checkpoint
+from shardopt.zero import host_memory, host_numa
 from shardopt.zero.layout import Range
 from shardopt.zero.offload_plan import plan_fraction, split_params, thread_budget
 from shardopt.zero.offload_worker import Progress, _SwitchInterval
@@ -601,6 +603,9 @@ def refusals(rank, world):
         (shardopt.CPUOffload(huge_pages=1), TypeError, "huge_pages"),
         (shardopt.CPUOffload(switch_interval=0), ValueError, "switch_interval"),
         (shardopt.CPUOffload(switch_interval="short"), ValueError, "switch_interval"),
+        (shardopt.CPUOffload(numa_node=-1), ValueError, "numa_node"),
+        (shardopt.CPUOffload(numa_node="near"), ValueError, "numa_node"),
+        (shardopt.CPUOffload(numa_node=4095), ValueError, "NUMA node 4095 has no CPU"),
     ]
     for bad, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -610,6 +615,46 @@ def refusals(rank, world):
         _opt("SGD", model, "gpu" if rank == 0 else "cpu")
     with pytest.raises(ValueError, match="capturable"):
         _opt("Adam", model, "cpu", capturable=True, skip_unused_params=False)
+
+
+def numa(rank, world):
+    """CPUOffload(numa_node=0) (node 0 is on every Linux host): the same bits as without
+    offload; the plan names the node, the host state's pages prefer it, and the update thread
+    runs on its CPUs that the process could use at construction, not the worker's CPUs; the
+    default ("auto") places nothing on a host with one node (Note: NUMA placement)."""
+    nodes = host_numa.node_cpus()
+    assert 0 in nodes, nodes
+    _parity("Adam", rank, dtype=BF16, offload=shardopt.CPUOffload(numa_node=0))
+    everywhere = os.sched_getaffinity(0)
+    narrow = {min(nodes[0] & everywhere)}  # one CPU: unlike what the threads inherit
+
+    def build(offload):  # state tensors of many pages (a page is checked inside each)
+        torch.manual_seed(0)
+        model = nn.Linear(256, 256).to(BF16)
+        return model, shardopt.DistributedFusedAdam(model.parameters(), offload=offload)
+
+    os.sched_setaffinity(0, narrow)
+    try:
+        model, opt = build(shardopt.CPUOffload(numa_node=0))
+    finally:
+        os.sched_setaffinity(0, everywhere)
+    assert opt.offload_plan.numa_node == 0 and opt.offload_plan.threads == 1
+    for _ in range(2):
+        model(torch.ones(4, 256, dtype=BF16)).float().pow(2).mean().backward()
+        opt.step()
+    opt.wait_param_sync()
+    key = next(k for k in opt.keys if k.buffers.offloaded)
+    for t in (key.buffers.master, *key.buffers.state.values()):
+        assert host_numa.policy_of(t) == (host_numa.MPOL_PREFERRED, {0})
+    worker = opt._offload_pipeline.worker
+    assert os.sched_getaffinity(worker._updater[0].native_id) == narrow
+    assert os.sched_getaffinity(worker._thread[0].native_id) == everywhere
+    opt.close()
+    _, plain = build("cpu")
+    if len(nodes) < 2:
+        assert plain.offload_plan.numa_node is None
+        key = next(k for k in plain.keys if k.buffers.offloaded)
+        assert host_numa.policy_of(key.buffers.state["exp_avg"])[0] == 0  # MPOL_DEFAULT
 
 
 def _ckpt_opt(model, offload, kw):
@@ -710,7 +755,19 @@ PLAN = [
             worker,
         ],
     ),  # fmt: skip
-    (3, [state_formats, staging_ring, huge_pages, partial_fraction, resume_w3, refusals, worker]),
+    (
+        3,
+        [
+            state_formats,
+            staging_ring,
+            huge_pages,
+            partial_fraction,
+            resume_w3,
+            refusals,
+            worker,
+            numa,
+        ],
+    ),  # fmt: skip
     (4, [clipping_and_scaler, hsdp, auto_fraction]),
 ]
 
@@ -721,6 +778,50 @@ results = plan_fixture(PLAN, ROOT, timeout=600)
 @plan_params(PLAN)
 def test_offload(results, world, case):
     results.check(world, case)
+
+
+def test_numa_placement_as_data(tmp_path):
+    """Note: NUMA placement: which node and CPUs, from sysfs-like data."""
+    assert host_numa.parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert host_numa.parse_cpulist("\n") == set()
+    for n, cpus in ((0, "0-1"), (1, "2-3"), (2, "")):  # node 2: memory only
+        (tmp_path / "devices/system/node" / f"node{n}").mkdir(parents=True)
+        (tmp_path / "devices/system/node" / f"node{n}" / "cpulist").write_text(cpus + "\n")
+    two = host_numa.node_cpus(tmp_path)
+    assert two == {0: {0, 1}, 1: {2, 3}}
+    cuda, cpu, every = torch.device("cuda", 0), torch.device("cpu"), {0, 1, 2, 3}
+
+    def place(requested, device=cuda, ranks=2, nodes=two, node=1, allowed=every):
+        return host_numa.placement(
+            requested, device, ranks, nodes=nodes, node=node, allowed=allowed
+        )
+
+    assert place("auto") == host_numa.Placement(1, frozenset({2, 3}))
+    assert place("auto", allowed={0, 1, 3}) == host_numa.Placement(1, frozenset({3}))
+    assert place("auto", ranks=1) is None  # one rank keeps every node
+    assert place("auto", nodes={0: every}) is None  # one node
+    assert place("auto", node=None, device=cpu) is None  # a CPU job: no device node
+    assert place("auto", allowed={0, 1}) is None  # none of its CPUs usable: nothing placed
+    assert place(None) is None
+    assert place(0, ranks=1, device=cpu, node=None) == host_numa.Placement(0, frozenset({0, 1}))
+    with pytest.raises(ValueError, match="NUMA node 1 has no CPU"):
+        place(1, allowed={0})
+    assert host_numa.device_node(cpu) is None
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "aarch64") or not sys.platform.startswith("linux"),
+    reason="mbind/get_mempolicy syscall numbers are known for Linux x86-64 and arm64",
+)
+def test_host_tensors_prefer_the_node_they_are_allocated_on():
+    """host_memory.on_node: pages preferred on the node before their first touch, else the
+    default policy."""
+    for huge in (False, True):
+        with host_memory.on_node(0):
+            t = host_memory.full(1 << 20, torch.float32, 0.0, huge)
+        assert host_numa.policy_of(t) == (host_numa.MPOL_PREFERRED, {0})
+        u = host_memory.full(1 << 20, torch.float32, 0.0, huge)
+        assert host_numa.policy_of(u)[0] == 0  # MPOL_DEFAULT
 
 
 def test_split_params_takes_the_last_registered():
