@@ -18,7 +18,8 @@
 #   settings  the 1.4B offload contender (clipping off and on) once per environment setting in
 #             OFFLOAD_SETTINGS (default: "default BENCH_OFFLOAD_THREADS=12 BENCH_OFFLOAD_THREADS=14
 #             OMP_WAIT_POLICY=PASSIVE BENCH_OFFLOAD_BLOCKING_SYNC=1"), each capped at SETTINGS_S
-#             (80): an A/B of what the step is sensitive to, every row on the same host
+#             (80): an A/B of what the step is sensitive to, every row on the same host; with
+#             launch_scripts/ab_tree.sh, of another revision's Python against this tree's
 #             (SETTINGS_ARGS: more bench_offload.py arguments for these runs; BENCH_ARGS is not used;
 #             e.g. OFFLOAD_SETTINGS="default BENCH_OFFLOAD_BUCKET_MB=200" for larger buckets; a
 #             setting of several variables joins them with commas: BENCH_OFFLOAD_BUCKET_MB=400,BENCH_OFFLOAD_SLOTS=2)

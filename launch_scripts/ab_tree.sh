@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# An A/B of two trees' Python in one device call, on one host: writes ab_old/shardopt, the
+# shardopt package of git revision REV, plus a module that loads the kernels the device call
+# builds for this tree (so the Python of REV runs over this tree's kernels: only for revisions
+# whose csrc/ is this tree's). Run here, before the call (ab_old/ is untracked and travels with
+# the working tree; keep it out of commits, e.g. `echo /ab_old/ >> .git/info/exclude`):
+#
+#   bash launch_scripts/ab_tree.sh 1bf6840
+#   # then, as the device command (carry .whl), REV's rows alternated with this tree's:
+#   OLD="PYTHONPATH=$PWD/ab_old:/tmp/site,AB_BUILD_DIR=$PWD/.build"
+#   OFFLOAD_SETTINGS="$OLD default $OLD default" bash launch_scripts/device_offload.sh settings
+set -euo pipefail
+REV=${1:?usage: bash launch_scripts/ab_tree.sh REV}
+if ! git diff --quiet "$REV" -- csrc; then
+  echo "csrc/ differs between $REV and the working tree: its kernels would not be $REV's" >&2
+  exit 1
+fi
+rm -rf ab_old && mkdir ab_old
+git archive "$REV" shardopt | tar -x -C ab_old
+cat > ab_old/shardopt/_C.py <<'PY'
+# A/B only (launch_scripts/ab_tree.sh): this tree's JIT-built kernels (AB_BUILD_DIR) as shardopt._C.
+import glob
+import importlib.util
+import os
+import sys
+
+_path = sorted(glob.glob(os.path.join(os.environ["AB_BUILD_DIR"], "*", "shardopt_C.so")))[0]
+_spec = importlib.util.spec_from_file_location("shardopt_C", _path)
+_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_mod)
+sys.modules[__name__] = _mod
+PY
+echo "ab_old/shardopt: the Python of $(git rev-parse --short "$REV")"
