@@ -15,7 +15,8 @@ Note: NUMA placement
         takes another node's pages when that one is full, rather than failing);
       - runs the update thread (offload_worker.py), and so the intra-op threads its kernels
         start, which inherit its affinity, on that node's CPUs among those the process may use,
-        and caps the default thread budget at their number.
+        and caps the default thread budget at their number (LAMB and NovoGrad, which update the
+        whole shard on the main thread, get the pages' placement only).
 
     ``numa_node=<int>`` asks for that node whatever the device (also on a CPU job or a host with
     one node); ``None`` turns placement off. Where the node is unknown (no sysfs entry, -1, torch
