@@ -15,8 +15,11 @@ Note: NUMA placement
         takes another node's pages when that one is full, rather than failing);
       - runs the update thread (offload_worker.py), and so the intra-op threads its kernels
         start, which inherit its affinity, on that node's CPUs among those the process may use,
-        and caps the default thread budget at their number (LAMB and NovoGrad, which update the
-        whole shard on the main thread, get the pages' placement only).
+        and caps the default thread budget at their number divided by the local ranks placed on
+        the node (counted from the visible devices' nodes when every local rank's device is
+        visible, else the ranks spread evenly), so ranks whose GPUs share a node do not
+        oversubscribe it (LAMB and NovoGrad, which update the whole shard on the main thread, get
+        the pages' placement only).
 
     ``numa_node=<int>`` asks for that node whatever the device (also on a CPU job or a host with
     one node); ``None`` turns placement off. Where the node is unknown (no sysfs entry, -1, torch
@@ -50,11 +53,13 @@ _warned: set[str] = set()
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one optimizer's host state and update go: NUMA ``node`` and the ``cpus`` of it the
-    update thread runs on."""
+    """Where one optimizer's host state and update go: NUMA ``node``, the ``cpus`` of it the
+    update thread runs on, and at most how many ``threads`` the update takes there (its CPUs
+    shared among the local ranks placed on it)."""
 
     node: int
     cpus: frozenset[int]
+    threads: int
 
 
 def parse_cpulist(text: str) -> set[int]:
@@ -107,10 +112,12 @@ def placement(
     nodes: dict[int, set[int]] | None = None,
     node: int | None = None,
     allowed: set[int] | None = None,
+    device_nodes: list[int | None] | None = None,
 ) -> Placement | None:
     """The placement of one optimizer (see Note: NUMA placement): ``requested`` is
-    ``CPUOffload.numa_node``; ``nodes``, ``node`` (the device's) and ``allowed`` (the CPUs this
-    process may use) default to what the OS says, and are given in tests."""
+    ``CPUOffload.numa_node``; ``nodes``, ``node`` (the device's), ``allowed`` (the CPUs this
+    process may use) and ``device_nodes`` (each visible CUDA device's node) default to what the
+    OS says, and are given in tests."""
     if requested is None:
         return None
     nodes = node_cpus() if nodes is None else nodes
@@ -132,7 +139,16 @@ def placement(
                 f"use (nodes with CPUs: {sorted(nodes)}; allowed CPUs: {sorted(allowed)})"
             )
         return None
-    return Placement(node, frozenset(cpus))
+    # the local ranks on this node: those whose devices are on it when every local rank's device
+    # is visible (torchrun: rank r takes cuda:r), else the ranks spread evenly over the nodes
+    if device_nodes is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device_nodes = [device_node(torch.device("cuda", i)) for i in range(count)]
+    if device.type == "cuda" and len(device_nodes) == local_ranks:
+        sharing = max(1, sum(n == node for n in device_nodes))
+    else:
+        sharing = max(1, -(-local_ranks // len(nodes)) if nodes else local_ranks)
+    return Placement(node, frozenset(cpus), max(1, len(cpus) // sharing))
 
 
 def _libc():

@@ -55,7 +55,7 @@ def agreed_fraction(
     optimizer._offload_threads = thread_budget(settings.threads)
     placement = optimizer._offload_placement
     if placement is not None and settings.threads is None:  # the node's CPUs, not the host's
-        optimizer._offload_threads = min(optimizer._offload_threads, len(placement.cpus))
+        optimizer._offload_threads = min(optimizer._offload_threads, placement.threads)
     optimizer._offload_reason = f"fraction={settings.fraction} as requested"
     optimizer._offload_measurements = {}
     if settings.fraction != "auto":

@@ -791,19 +791,25 @@ def test_numa_placement_as_data(tmp_path):
     assert two == {0: {0, 1}, 1: {2, 3}}
     cuda, cpu, every = torch.device("cuda", 0), torch.device("cpu"), {0, 1, 2, 3}
 
-    def place(requested, device=cuda, ranks=2, nodes=two, node=1, allowed=every):
+    def place(requested, device=cuda, ranks=2, nodes=two, node=1, allowed=every, dev=(0, 1)):
         return host_numa.placement(
-            requested, device, ranks, nodes=nodes, node=node, allowed=allowed
-        )
+            requested, device, ranks, nodes=nodes, node=node, allowed=allowed,
+            device_nodes=list(dev),
+        )  # fmt: skip
 
-    assert place("auto") == host_numa.Placement(1, frozenset({2, 3}))
-    assert place("auto", allowed={0, 1, 3}) == host_numa.Placement(1, frozenset({3}))
+    Placement = host_numa.Placement
+    assert place("auto") == Placement(1, frozenset({2, 3}), 2)
+    assert place("auto", allowed={0, 1, 3}) == Placement(1, frozenset({3}), 1)
+    # both local ranks' GPUs on node 1: its two CPUs shared, one thread each
+    assert place("auto", dev=(1, 1)) == Placement(1, frozenset({2, 3}), 1)
+    # four ranks, devices not all visible: spread evenly, two ranks a node
+    assert place("auto", ranks=4, dev=(1,)) == Placement(1, frozenset({2, 3}), 1)
     assert place("auto", ranks=1) is None  # one rank keeps every node
     assert place("auto", nodes={0: every}) is None  # one node
     assert place("auto", node=None, device=cpu) is None  # a CPU job: no device node
     assert place("auto", allowed={0, 1}) is None  # none of its CPUs usable: nothing placed
     assert place(None) is None
-    assert place(0, ranks=1, device=cpu, node=None) == host_numa.Placement(0, frozenset({0, 1}))
+    assert place(0, ranks=1, device=cpu, node=None, dev=()) == Placement(0, frozenset({0, 1}), 2)
     with pytest.raises(ValueError, match="NUMA node 1 has no CPU"):
         place(1, allowed={0})
     assert host_numa.device_node(cpu) is None
