@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import platform
@@ -151,6 +152,7 @@ def placement(
     return Placement(node, frozenset(cpus), max(1, len(cpus) // sharing))
 
 
+@functools.cache
 def _libc():
     return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
