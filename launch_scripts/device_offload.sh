@@ -130,8 +130,8 @@ for s in "${stages[@]}"; do
                ( [ "$kv" = default ] || { IFS=, read -r -a kvs <<< "$kv"; export "${kvs[@]}"; }
                  timeout "$t" python3 launch_scripts/trace_offload.py --clip "$clip" \
                    > "$LOG/trace_${kv//[^A-Za-z0-9_.-]/_}_$clip.log" 2>&1 )
-               grep -E "interval|iteration ms|kernel|update|job |wait_bucket|ev_sync|step\(\)|forward|backward|submit_early|stage|slot_take|copy_issue|restart|release|rs_wait|hand|finish" \
-                 "$LOG/trace_${kv//[^A-Za-z0-9_.-]/_}_$clip.log" | head -72 | tee -a "$SUMMARY"
+               grep -E "interval|iteration ms|kernel|update|job |wait_bucket|ev_sync|step\(\)|forward|backward|submit_early|stage|slot_take|copy_issue|restart|release|rs_wait|hand|finish|thread" \
+                 "$LOG/trace_${kv//[^A-Za-z0-9_.-]/_}_$clip.log" | head -100 | tee -a "$SUMMARY"
              done
            done ;;
     bandwidth) timeout "$(allot "${BANDWIDTH_S:-120}")" python3 launch_scripts/probe_host_bandwidth.py \

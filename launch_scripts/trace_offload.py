@@ -12,13 +12,16 @@ the call returns), on the update thread with ``update``, ``restart``, ``release`
 ``hand``, ``finish``, ``slot_take``, ``copy_issue``, ``rs_wait``: the worker's bookkeeping per
 bucket, part by part (nested: ``stage`` holds the bucket's reduce-scatter wait ``rs_wait``, a
 ``slot_take`` and a ``copy_issue``; ``finish`` the wait for the bucket's update and its copies
-up). The optimizer is the bench's (bench_offload_peers.py), so its environment settings apply:
-e.g. BENCH_OFFLOAD_SWITCH_INTERVAL=none leaves Python's switch interval at its default
-(CPUOffload(switch_interval=None)).
+up). Before the timeline, each thread's CPU time and run-queue wait (/proc schedstat) over the
+last three iterations: the cores' oversubscription (an intra-op thread of the update waiting for a
+CPU holds the bucket's kernel call up). The optimizer is the bench's (bench_offload_peers.py),
+so its environment settings apply: e.g. BENCH_OFFLOAD_SWITCH_INTERVAL=none leaves Python's
+switch interval at its default (CPUOffload(switch_interval=None)).
 """
 
 import argparse
 import collections
+import os
 import sys
 import threading
 import time
@@ -58,6 +61,44 @@ def rec(name, start, end=None):
                 ((end if end is not None else start) - T0[0]) * 1e3,
             )
         )
+
+
+def thread_times() -> dict[int, tuple[str, int, int]]:
+    """Per thread of this process: (name, ns on a CPU, ns waiting for one on a run queue), from
+    /proc's schedstat; Python threads by their Python name, the others (torch's intra-op threads,
+    the CUDA and NCCL threads) by the kernel's."""
+    names = {t.native_id: t.name[:16] for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, wait = f.read().split()[:2]
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        out[int(tid)] = (names.get(int(tid), comm), int(run), int(wait))
+    return out
+
+
+def report_threads(before, after, wall_ms: float) -> None:
+    """CPU time and run-queue wait per thread over ``wall_ms`` (the cores' oversubscription:
+    a thread waiting on a run queue had work and no CPU)."""
+    rows = []
+    for tid, (name, run, wait) in after.items():
+        _, run0, wait0 = before.get(tid, (name, 0, 0))
+        if run - run0 > 0 or wait - wait0 > 0:
+            rows.append((name, tid, (run - run0) / 1e6, (wait - wait0) / 1e6))
+    rows.sort(key=lambda r: -r[2])
+    total_run = sum(r[2] for r in rows)
+    total_wait = sum(r[3] for r in rows)
+    cpus = len(os.sched_getaffinity(0))
+    print(
+        f"threads over {wall_ms:.1f} ms ({cpus} CPUs): on CPU {total_run:.1f} ms "
+        f"({total_run / wall_ms:.2f} CPUs busy), run-queue wait {total_wait:.1f} ms"
+    )
+    for name, tid, run, wait in rows[:24]:
+        print(f"  thread {name:16s} {tid:8d} run={run:8.1f} wait={wait:7.1f}")
 
 
 def wrap(cls, attr, name):
@@ -128,6 +169,8 @@ for it in range(args.steps + 2):
     torch.cuda.synchronize()
     ON[0] = it == args.steps + 1
     EV.clear() if ON[0] else None
+    if it == args.steps - 1:  # the last three iterations' CPU use per thread
+        sched_before, sched_t0 = thread_times(), time.perf_counter()
     T0[0] = time.perf_counter()
     s = time.perf_counter()
     loss = tr.forward(idx, tgt)
@@ -147,6 +190,8 @@ for it in range(args.steps + 2):
     torch.cuda.synchronize()
     rec("sync", s, time.perf_counter())
     times.append((time.perf_counter() - T0[0]) * 1e3)
+sched_wall = (time.perf_counter() - sched_t0) * 1e3
+report_threads(sched_before, thread_times(), sched_wall)
 print("switch interval s (while the worker runs):", sys.getswitchinterval())
 print("iteration ms (to sync after step):", [round(t, 1) for t in times])
 
