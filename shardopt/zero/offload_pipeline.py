@@ -79,7 +79,6 @@ import threading
 import torch
 
 from shardopt.zero import host_state
-from shardopt.zero.flat_buffer import ChunkedShard
 from shardopt.zero.layout import Range
 from shardopt.zero.offload_backward import EarlyUpdates
 from shardopt.zero.offload_slots import Slots
@@ -185,10 +184,11 @@ class OffloadPipeline:
 
     def _stage(self, key, bucket, shards: dict, wait=None, after=None) -> tuple:
         """The bucket's grad chunk (from ``shards``, the grad shards by key) and a remainder
-        key's bf16 params into the next slots: (grads, params or None, the params' slot, the
-        copy's event); ``wait``: the bucket's reduce-scatter wait, run first (with the copy
-        stream current on CUDA, so that only this bucket's copy waits for it); ``after``: a CUDA
-        event the copy waits for (the compute stream's work on the bucket)."""
+        key's bf16 params into the next slots: (the grads' slot and the params' slot or None, as
+        chunks of the shard; the params' slot index; the copy's event); ``wait``: the bucket's
+        reduce-scatter wait, run first (with the copy stream current on CUDA, so that only this
+        bucket's copy waits for it); ``after``: a CUDA event the copy waits for (the compute
+        stream's work on the bucket)."""
         if wait is not None:
             with torch.cuda.stream(self.d2h) if self.cuda else contextlib.nullcontext():
                 wait()
@@ -197,16 +197,20 @@ class OffloadPipeline:
         buf = key.buffers
         ring = self.grad_slots[key.index]
         i, slot = ring.take()
-        grads = slot[: bucket.chunk_numel]
-        event = self._copy(self.d2h, grads, buf.shard_of_bucket(shards[key.index], bucket))
+        event = self._copy(
+            self.d2h, slot[: bucket.chunk_numel], buf.shard_of_bucket(shards[key.index], bucket)
+        )
         ring.events[i] = event
+        grads = ring.shard(i, bucket.shard_offset)
         params, j = None, None
         if key.index in self.param_slots:
             ring = self.param_slots[key.index]
             j, slot = ring.take()
-            params = slot[: bucket.chunk_numel]
-            event = self._copy(self.d2h, params, buf.chunk(buf.param_space, bucket))
+            event = self._copy(
+                self.d2h, slot[: bucket.chunk_numel], buf.chunk(buf.param_space, bucket)
+            )
             ring.events[j] = event  # reused only after its copy back (set below)
+            params = ring.shard(j, bucket.shard_offset)
         return grads, params, j, event
 
     def submit(
@@ -369,8 +373,9 @@ class OffloadPipeline:
         grads, params, param_slot, event = staged
         o, out = None, None
         if key.index in self.out_slots:
-            o, out = self.out_slots[key.index].take()
-            out = out[: bucket.chunk_numel]
+            ring = self.out_slots[key.index]
+            o, _ = ring.take()
+            out = ring.shard(o, bucket.shard_offset)
         threads = optimizer.offload_plan.threads
 
         def update() -> tuple:
@@ -383,17 +388,18 @@ class OffloadPipeline:
     def _update(optimizer, key, bucket, grads, params, out, event, scalars) -> tuple:
         """The update thread: one bucket's update (once its grads are in their slot) on the
         host state, its new params into ``out`` (or ``params``, a remainder key's staged bf16
-        half, updated in place); (the kernel calls, the shard the new params are in)."""
-        if event is not None:
+        half, updated in place; all three slots as chunks of the shard: ``Slots.shard``); (the
+        kernel calls, the shard the new params are in)."""
+        if event is not None and not event.query():  # a query keeps the GIL, a wait does not
             event.synchronize()
         buf = key.buffers
         shard = Range(bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel)
-        buf.host_grad = ChunkedShard([grads], [shard.start])
+        buf.host_grad = grads
         if out is not None:
-            buf.host_out = ChunkedShard([out], [shard.start])
+            buf.host_out = out
         device_master = buf.master
         if params is not None:  # the staged bf16 half of the masters, updated in place
-            buf.master = ChunkedShard([params], [shard.start])
+            buf.master = params
         try:
             restart(optimizer)
             with optimizer.update_calls.within(key, shard):

@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from shardopt.zero import host_memory
+from shardopt.zero.flat_buffer import ChunkedShard
 
 
 class Slots:
@@ -38,6 +39,17 @@ class Slots:
                         raise RuntimeError(f"cudaHostRegister failed with error {int(code)}")
             self.pinned = True
         self.next = 0
+        #: (slot, shard offset) -> the slot as a chunk of the shard (see ``shard``)
+        self._shards: dict[tuple[int, int], ChunkedShard] = {}
+
+    def shard(self, i: int, offset: int) -> ChunkedShard:
+        """Slot ``i`` as the chunk of a shard that starts at shard element ``offset`` (a
+        bucket's): the same object each time, so the views an update takes of it are kept
+        (Note: views kept for the update thread, flat_buffer.py)."""
+        shard = self._shards.get((i, offset))
+        if shard is None:
+            shard = self._shards[(i, offset)] = ChunkedShard([self.buffers[i]], [offset], kept=True)
+        return shard
 
     def take(self) -> tuple[int, torch.Tensor]:
         """The next slot, once the copy that last used it has finished."""

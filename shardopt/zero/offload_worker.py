@@ -324,8 +324,9 @@ def frozen_view(optimizer, steps_ahead: int = 0, unused: frozenset[int] | None =
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)
     view.param_groups = [dict(g) for g in optimizer.param_groups]
-    for group in view.param_groups:  # on the host once per step, not once per kernel call
-        group["step"] = host_state.to_host(group["step"]) + steps_ahead
+    for group in view.param_groups:  # on the host once per step, not once per kernel call,
+        # shaped as the kernels take it (``Call.step_t`` then calls no torch op)
+        group["step"] = (host_state.to_host(group["step"]) + steps_ahead).reshape(1)
     calls = copy.copy(optimizer.update_calls)
     calls.offsets = list(calls.offsets)
     calls.window = None

@@ -47,7 +47,7 @@ class Call:
 
     def of(self, shard: Shard) -> list[torch.Tensor]:
         """The call's views of a shard (grad shard, master, a state)."""
-        return [self.buffers.shard_slice(shard, r) for r in self.shard_ranges]
+        return self.buffers.views(shard, self.shard_ranges)
 
     def blocks_of(self, scales: torch.Tensor) -> list[torch.Tensor]:
         """The call's views of a per-block scale shard (blockwise state formats)."""
@@ -62,7 +62,7 @@ class Call:
         if buf.offloaded:  # the host out slot, in shard coordinates (host_state.py)
             if buf.host_out is None:  # a remainder key: the update writes its host params
                 return None
-            return [buf.shard_slice(buf.host_out, r) for r in self.shard_ranges]
+            return buf.views(buf.host_out, self.shard_ranges)
         return [buf.sync_space.narrow(0, r.start, r.numel) for r in self.space_ranges]
 
     def within(self, window: Range) -> Call:
@@ -87,7 +87,9 @@ class Call:
     def step_t(self, group: dict) -> torch.Tensor:
         """The params' own step (a tensor where the update runs): the group's minus the skipped
         steps."""
-        step = group["step"].reshape(1).to(self.buffers.update_device)
+        step, device = group["step"], self.buffers.update_device
+        if step.dim() != 1 or step.device != device:  # else no op (Note: views kept ...)
+            step = step.reshape(1).to(device)
         return step - self.offset if self.offset else step
 
 

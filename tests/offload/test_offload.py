@@ -197,6 +197,61 @@ def staging_ring(rank, world):
     assert not shardopt.DistributedFusedNovoGrad.bucketwise_update
 
 
+def kept_views(rank, world):
+    """Note: views kept for the update thread (flat_buffer.py): once each bucket has met each
+    staging slot, no update on the update thread calls a torch view op (each would release and retake the GIL), the same
+    view objects are handed out step after step, the bits are as without offload (``_parity``),
+    and a whole-shard update's per-step staged grads are never kept (they would stay alive)."""
+    calls = {"narrow": 0, "reshape": 0, "to": 0, "view": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in calls}
+
+    def counting(name):
+        def op(self, *args, **kwargs):
+            if threading.current_thread().name == "shardopt-update":
+                calls[name] += 1
+            return originals[name](self, *args, **kwargs)
+
+        return op
+
+    opt = _parity("Adam", rank, dtype=BF16)
+    bufs = [k.buffers for k in opt.keys if k.buffers.offloaded]
+    kept = [dict(b._views) for b in bufs]
+    assert all(kept), "no view was kept"
+    for name in calls:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        model = _model(BF16)
+        opt = _opt("Adam", model, "cpu")
+        # a ring of S slots meets each bucket in each slot within S steps (4: the default)
+        _train(model, opt, rank, range(4))
+        opt.wait_param_sync()
+        first = [{tag: [id(v) for v in views] for tag, (_, views) in b._views.items()}
+                 for b in (k.buffers for k in opt.keys if k.buffers.offloaded)]  # fmt: skip
+        for name in calls:
+            calls[name] = 0
+        _train(model, opt, rank, range(4, 8))
+        opt.wait_param_sync()
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+    assert calls == dict.fromkeys(calls, 0), f"torch ops on the update thread: {calls}"
+    again = [{tag: [id(v) for v in views] for tag, (_, views) in b._views.items()}
+             for b in (k.buffers for k in opt.keys if k.buffers.offloaded)]  # fmt: skip
+    assert again == first, "the views were made again"
+    for b in (k.buffers for k in opt.keys if k.buffers.offloaded):
+        assert all(b._keeps(shard) for shard, _ in b._views.values())
+    # a shard made for one call is not kept: fresh views each time
+    buf = bufs[0]
+    per_call = torch.zeros(buf.layout.shard_numel)
+    r = [Range(0, 4)]
+    assert buf.views(per_call, r)[0] is not buf.views(per_call, r)[0]
+    assert buf.views(buf.master, r)[0] is buf.views(buf.master, r)[0]
+    lamb = _parity("LAMB", rank, dtype=BF16)  # the whole-shard path: grads staged per step
+    for key in lamb.keys:
+        views = key.buffers._views
+        assert views and all(key.buffers._keeps(shard) for shard, _ in views.values())
+
+
 def _host_tensors(opt):
     """Every host tensor of an offloaded optimizer: state of its keys and staging slots."""
     out = []
@@ -752,6 +807,7 @@ PLAN = [
             save_w2,
             state_dict_round_trip,
             worker,
+            kept_views,
         ],
     ),  # fmt: skip
     (
