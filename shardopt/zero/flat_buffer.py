@@ -47,7 +47,8 @@ from shardopt.zero.state_storage import Storage
 #: pipeline's slots as ``ChunkedShard(kept=True)``), never for a shard made per step (a
 #: whole-shard update's staged grads: kept views would keep it). A kept entry holds its shard,
 #: so an id is never reused while its entry lives; calls planned per step (skipped params) have
-#: ranges of their own, and the entries are dropped once ``VIEWS_KEPT`` are kept. With the
+#: ranges of their own, and the entries are dropped once ``VIEWS_KEPT`` (plus 16 a bucket: a
+#: bucket's state views and its views of each slot it meets) are kept. With the
 #: step's count shaped for the kernels once per step (``frozen_view``, ``Call.step_t``), no torch
 #: op is left between two kernel calls of the update thread but the wait for the grads' copy
 #: (only when it is not done: ``OffloadPipeline._update``). On this 2-core CPU machine (64
@@ -250,7 +251,8 @@ class KeyBuffers:
         tag = (id(shard), *ranges)
         kept = self._views.get(tag)
         if kept is None or kept[0] is not shard:
-            if len(self._views) >= VIEWS_KEPT:  # calls planned per step (skipped params)
+            # calls planned per step (skipped params) bring ranges of their own
+            if len(self._views) >= VIEWS_KEPT + 16 * len(self.layout.buckets):
                 self._views.clear()
             kept = self._views[tag] = (shard, [self.shard_slice(shard, r) for r in ranges])
         return list(kept[1])  # the caller's own list

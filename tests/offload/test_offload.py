@@ -199,9 +199,10 @@ def staging_ring(rank, world):
 
 def kept_views(rank, world):
     """Note: views kept for the update thread (flat_buffer.py): once each bucket has met each
-    staging slot, no update on the update thread calls a torch view op (each would release and retake the GIL), the same
-    view objects are handed out step after step, the bits are as without offload (``_parity``),
-    and a whole-shard update's per-step staged grads are never kept (they would stay alive)."""
+    staging slot, no update on the update thread calls a torch view op (each would release and
+    retake the GIL), the same view objects are handed out step after step, the bits are as
+    without offload (``_parity``), and a whole-shard update's per-step staged grads are never
+    kept (they would stay alive)."""
     calls = {"narrow": 0, "reshape": 0, "to": 0, "view": 0}
     originals = {name: getattr(torch.Tensor, name) for name in calls}
 
