@@ -201,7 +201,7 @@ class OffloadPipeline:
             self.d2h, slot[: bucket.chunk_numel], buf.shard_of_bucket(shards[key.index], bucket)
         )
         ring.events[i] = event
-        grads = ring.shard(i, bucket.shard_offset)
+        grads = ring.shard(i, bucket.shard_offset, bucket.chunk_numel)
         params, j = None, None
         if key.index in self.param_slots:
             ring = self.param_slots[key.index]
@@ -210,7 +210,7 @@ class OffloadPipeline:
                 self.d2h, slot[: bucket.chunk_numel], buf.chunk(buf.param_space, bucket)
             )
             ring.events[j] = event  # reused only after its copy back (set below)
-            params = ring.shard(j, bucket.shard_offset)
+            params = ring.shard(j, bucket.shard_offset, bucket.chunk_numel)
         return grads, params, j, event
 
     def submit(
@@ -375,7 +375,7 @@ class OffloadPipeline:
         if key.index in self.out_slots:
             ring = self.out_slots[key.index]
             o, _ = ring.take()
-            out = ring.shard(o, bucket.shard_offset)
+            out = ring.shard(o, bucket.shard_offset, bucket.chunk_numel)
         threads = optimizer.offload_plan.threads
 
         def update() -> tuple:

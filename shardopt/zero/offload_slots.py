@@ -39,16 +39,18 @@ class Slots:
                         raise RuntimeError(f"cudaHostRegister failed with error {int(code)}")
             self.pinned = True
         self.next = 0
-        #: (slot, shard offset) -> the slot as a chunk of the shard (see ``shard``)
-        self._shards: dict[tuple[int, int], ChunkedShard] = {}
+        #: (slot, shard offset, elements) -> the slot as a chunk of the shard (see ``shard``)
+        self._shards: dict[tuple[int, int, int], ChunkedShard] = {}
 
-    def shard(self, i: int, offset: int) -> ChunkedShard:
-        """Slot ``i`` as the chunk of a shard that starts at shard element ``offset`` (a
-        bucket's): the same object each time, so the views an update takes of it are kept
-        (Note: views kept for the update thread, flat_buffer.py)."""
-        shard = self._shards.get((i, offset))
+    def shard(self, i: int, offset: int, numel: int) -> ChunkedShard:
+        """The first ``numel`` elements of slot ``i`` as the chunk of a shard that starts at
+        shard element ``offset`` (a bucket's chunk): the same object each time, so the views an
+        update takes of it are kept (Note: views kept for the update thread, flat_buffer.py)."""
+        tag = (i, offset, numel)
+        shard = self._shards.get(tag)
         if shard is None:
-            shard = self._shards[(i, offset)] = ChunkedShard([self.buffers[i]], [offset], kept=True)
+            chunk = self.buffers[i][:numel]
+            shard = self._shards[tag] = ChunkedShard([chunk], [offset], kept=True)
         return shard
 
     def take(self) -> tuple[int, torch.Tensor]:
