@@ -19,10 +19,10 @@ def device_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     """lr as the kernels' 1-element fp32 ``lr_t`` on ``device``; a tensor lr already there is a
     view, so writing into it (a scheduler, a captured step) changes what the kernels read."""
     lr_t = lr if torch.is_tensor(lr) else torch.tensor(float(lr))
-    return _one(lr_t, device)
+    return device_scalar(lr_t, device)
 
 
-def _one(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def device_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` as a 1-element fp32 tensor on ``device``: ``t`` itself when it is one already (no
     torch op: each releases and retakes the GIL, see Note: views kept for the update thread in
     shardopt/zero/flat_buffer.py), else a view or copy."""
@@ -42,7 +42,7 @@ def step_args(step: int | torch.Tensor, device: torch.device) -> dict[str, Any]:
     """The step arguments of a kernel call: ``step_t`` (fp32, on ``device``) for a tensor step,
     else the host int."""
     if torch.is_tensor(step):
-        return {"step": 0, "step_t": _one(step, device)}
+        return {"step": 0, "step_t": device_scalar(step, device)}
     return {"step": int(step)}
 
 

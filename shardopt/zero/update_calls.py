@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardopt.algorithms.step_args import device_scalar
 from shardopt.zero.flat_buffer import KeyBuffers, Shard
 from shardopt.zero.layout import Range
 from shardopt.zero.sharded_params import Key, ShardedParams
@@ -87,9 +88,7 @@ class Call:
     def step_t(self, group: dict) -> torch.Tensor:
         """The params' own step (a tensor where the update runs): the group's minus the skipped
         steps."""
-        step, device = group["step"], self.buffers.update_device
-        if step.dim() != 1 or step.device != device:  # else no op (Note: views kept ...)
-            step = step.reshape(1).to(device)
+        step = device_scalar(group["step"], self.buffers.update_device)
         return step - self.offset if self.offset else step
 
 
