@@ -24,7 +24,11 @@
 #             e.g. OFFLOAD_SETTINGS="default BENCH_OFFLOAD_BUCKET_MB=200" for larger buckets; a
 #             setting of several variables joins them with commas: BENCH_OFFLOAD_BUCKET_MB=400,BENCH_OFFLOAD_SLOTS=2)
 #   bandwidth probe_host_bandwidth.py: the host's copy/read bandwidth against the CPU Adam alone,
-#             per bucket, and beside the pipeline's DMA (cap BANDWIDTH_S, 120)
+#             per bucket, and beside the pipeline's DMA (cap BANDWIDTH_S, 120), once per
+#             argument set in BANDWIDTH_ARGS (';'-separated, e.g. " ;--buckets 330 --numel 4194304")
+#   pages     probe_host_pages.py: the CPU update over host state allocated several ways (pages,
+#             who touches them first, the bench's chunks or the pipeline's flat state); PAGES_ARGS:
+#             its arguments (default: 1.32B params in buckets of 26M, two rounds; cap PAGES_S, 150)
 #   bench28   bench_offload.py at 2560 x 32 (2.8B), clipping off and on
 #             (BENCH_ARGS: more bench_offload.py arguments, e.g. "--contenders offload,fsdp2_offload")
 #   largest   bench_offload.py --largest in what is left of the budget (LARGEST_BUDGET_S caps it;
@@ -134,10 +138,21 @@ for s in "${stages[@]}"; do
                  "$LOG/trace_${kv//[^A-Za-z0-9_.-]/_}_$clip.log" | head -100 | tee -a "$SUMMARY"
              done
            done ;;
-    bandwidth) timeout "$(allot "${BANDWIDTH_S:-120}")" python3 launch_scripts/probe_host_bandwidth.py \
-                 --out "$LOG/probe_host_bandwidth.json" > "$LOG/probe_host_bandwidth.log" 2>&1
-               echo "probe_host_bandwidth: exit code $?" | tee -a "$SUMMARY"
-               tail -12 "$LOG/probe_host_bandwidth.log" | tee -a "$SUMMARY" ;;
+    bandwidth) n=0  # once per argument set in BANDWIDTH_ARGS, split on ';'
+               IFS=';' read -r -a bsets <<< "${BANDWIDTH_ARGS:- }"
+               for bargs in "${bsets[@]}"; do
+                 n=$((n + 1)); read -r -a bv <<< "$bargs"
+                 echo "-- probe_host_bandwidth ${bargs}" | tee -a "$SUMMARY"
+                 timeout "$(allot "${BANDWIDTH_S:-120}")" python3 launch_scripts/probe_host_bandwidth.py "${bv[@]}" \
+                   --out "$LOG/probe_host_bandwidth_$n.json" > "$LOG/probe_host_bandwidth_$n.log" 2>&1
+                 echo "probe_host_bandwidth: exit code $?" | tee -a "$SUMMARY"
+                 tail -12 "$LOG/probe_host_bandwidth_$n.log" | tee -a "$SUMMARY"
+               done ;;
+    pages) read -r -a pargs <<< "${PAGES_ARGS:---params 1320000000 --chunk 27262976}"
+           timeout "$(allot "${PAGES_S:-150}")" python3 launch_scripts/probe_host_pages.py "${pargs[@]}" \
+             > "$LOG/probe_host_pages.log" 2>&1
+           echo "probe_host_pages: exit code $?" | tee -a "$SUMMARY"
+           grep -E "^\||THP" "$LOG/probe_host_pages.log" | tee -a "$SUMMARY" ;;
     ds_op) ds_op ;;
     cpu_adam) ds_op
               OMP_NUM_THREADS=$NCORES timeout "$(allot 150)" python3 launch_scripts/bench_cpu_adam.py \

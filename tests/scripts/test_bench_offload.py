@@ -234,3 +234,29 @@ def test_host_bandwidth_probe_on_cpu(tmp_path):
         assert gbs == pytest.approx(per_element[name] * 2 * 65536 / (ms / 1e3) / 1e9)
     saved = json.loads(out.read_text())
     assert saved["buckets"] == 2 and [r["name"] for r in saved["rows"]] == names
+
+
+def test_host_pages_probe_cases_agree():
+    """probe_host_pages.py: every case (pages, first touch, the bench's chunks or the pipeline's
+    flat state and slots) runs the same update: after three steps each case's masters are the
+    first case's, bit for bit, and have moved; an unknown shape is refused."""
+    import argparse
+
+    import probe_host_pages
+    import torch
+
+    args = argparse.Namespace(params=5000, chunk=1536, threads=1)
+    cases = ["4k-par-chunks", "4k-ser-chunks", "4k-par-flat", "4k-ser-flat"]
+    cases += ["huge-ser-flat", "aligned-par-chunks"]
+    results = {}
+    for case in cases:
+        step, masters = probe_host_pages.build(args, case)
+        for s in range(1, 4):
+            step(s)
+        results[case] = torch.cat(masters)
+    first = results[cases[0]]
+    assert first.numel() == 5000 and not torch.equal(first, torch.full_like(first, 0.01))
+    for case in cases[1:]:
+        assert torch.equal(results[case], first), case
+    with pytest.raises(ValueError, match="unknown shape"):
+        probe_host_pages.build(args, "4k-par-rings")
