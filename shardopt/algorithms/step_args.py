@@ -26,7 +26,7 @@ def device_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` as a 1-element fp32 tensor on ``device``: ``t`` itself when it is one already (no
     torch op: each releases and retakes the GIL, see Note: views kept for the update thread in
     shardopt/zero/flat_buffer.py), else a view or copy."""
-    if t.dim() == 1 and t.dtype == torch.float32 and t.device == device:
+    if t.shape == (1,) and t.dtype == torch.float32 and t.device == device:
         return t
     return t.to(device=device, dtype=torch.float32).reshape(1)
 

@@ -250,7 +250,7 @@ class KeyBuffers:
             return [self.shard_slice(shard, r) for r in ranges]
         tag = (id(shard), *ranges)
         kept = self._views.get(tag)
-        if kept is None or kept[0] is not shard:
+        if kept is None:  # (an entry holds its shard: its id is not another object's)
             # calls planned per step (skipped params) bring ranges of their own
             if len(self._views) >= VIEWS_KEPT + 16 * len(self.layout.buckets):
                 self._views.clear()

@@ -125,6 +125,23 @@ def test_mixed_precision_lamb_add_param_group_gets_a_device_lr_and_step():
     assert len(opt.param_groups) == 3  # a group may mix dtypes, as Apex's
 
 
+def test_device_scalar_passes_a_kernel_scalar_through_and_shapes_the_rest():
+    """step_args.device_scalar: a 1-element fp32 tensor on the device is returned as is (the
+    offloaded update's step calls no torch op), a 0-dim or other-dtype scalar is shaped (1,)
+    fp32, and a tensor of several elements is refused."""
+    from shardopt.algorithms.step_args import device_scalar, step_args
+
+    cpu = torch.device("cpu")
+    t = torch.full((1,), 3.0)
+    assert device_scalar(t, cpu) is t and step_args(t, cpu)["step_t"] is t
+    for other in (torch.tensor(3.0), torch.tensor([3], dtype=torch.int64)):
+        got = device_scalar(other, cpu)
+        assert got is not other and got.shape == (1,) and got.dtype == torch.float32
+        assert got.item() == 3.0
+    with pytest.raises(RuntimeError):
+        device_scalar(torch.ones(3), cpu)
+
+
 # -- state-dict hooks -------------------------------------------------------------------------
 
 
