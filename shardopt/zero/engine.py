@@ -312,8 +312,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
 
         Args:
             max_norm: the largest norm the averaged grads may have.
-            grad_scaler: the GradScaler in use, if any; only needed in the first iteration (later
-                the one ``step()`` received is known).
+            grad_scaler: the GradScaler in use, if any; not needed after
+                ``scaler.unscale_(optimizer)`` nor after a ``step()`` that received it.
 
         Returns:
             The total norm before clipping (a device scalar), unscaled when a GradScaler is known

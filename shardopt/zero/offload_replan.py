@@ -222,6 +222,9 @@ def _replan(optimizer, fraction: float, reason: str, found: dict, steps: int) ->
 def _rebuild(optimizer, name: str, fraction: float) -> None:
     """The keys planned again with ``fraction``, the state carried over exactly."""
     saved = optimizer._gather_state_dict()  # waits for the last step's worker and all-gathers
+    # what was derived from the old keys goes with them: the engine's roles are built anew
+    # below (their calls, masks and indices), and state I/O's uncommitted copies are dropped
+    optimizer.drop_staged()
     lockstep, scaler = optimizer.grad_sync.lockstep, optimizer.amp._scaler
     amp, it = optimizer.amp, optimizer.grad_sync.iteration
     clean = amp.max_norm is None and scaler is None and not it.rounds  # the step just taken

@@ -372,21 +372,8 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
         # one entry per trainable param, in the dtype of the math: the masters, which are fp32
         # (also for fp64 params) or the 16-bit params themselves under a 16-bit ``dtype``
         dtype = novograd.second_moment_dtype(key.buffers.master.dtype for key in self.keys)
+        # (by engine param: the same index space whatever the keys, also after a re-plan)
         self.second_moment = torch.zeros(len(self.params), dtype=dtype, device=self.device)
-        #: the used-params mask of each key for the last set of unused params (see _used)
-        self._used_masks: tuple[frozenset[int], dict[int, torch.Tensor]] = (frozenset(), {})
-
-    def _used(self, key, unused: frozenset[int]) -> torch.Tensor:
-        """Which params of ``key`` have a grad this step (a device mask, copied to the device
-        once per set of unused params, not every step)."""
-        seen, masks = self._used_masks
-        if seen != unused:
-            seen, masks = unused, {}
-            self._used_masks = (seen, masks)
-        if key.index not in masks:
-            used = [i not in unused for i in key.layout.params]
-            masks[key.index] = torch.tensor(used, device=self.device)
-        return masks[key.index]
 
     def _update(self, scalars: StepScalars) -> None:
         n = len(self.params)
@@ -435,7 +422,8 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             if scalars.found_inf_t is not None:
                 new = torch.where(scalars.found_inf_t.bool(), old, new)
             if unused:
-                new = torch.where(self._used(key, unused), new, old)
+                # (the mask is the plan's: a re-plan's keys hold other params)
+                new = torch.where(self.update_calls.used_mask(key), new, old)
             self.second_moment.index_copy_(0, members, new)
             for call in calls[key.index]:
                 if not call.shard_ranges:

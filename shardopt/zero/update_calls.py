@@ -104,6 +104,10 @@ class UpdateCalls:
         self.window: tuple[Key | None, Range | None] | None = None
         #: Note: planned calls are kept: (key index, per_tensor[, window]) -> (key, calls)
         self._kept: dict[tuple, tuple[Key, list[Call]]] = {}
+        #: key index -> (the unused params it was made for, ``used_mask``): like the calls, a
+        #: view of this plan's keys, so it goes with them when a re-plan (offload_replan.py)
+        #: builds new ones
+        self._used: dict[int, tuple[frozenset[int], torch.Tensor]] = {}
 
     @contextlib.contextmanager
     def within(self, key: Key | None, shard: Range | None) -> Iterator[None]:
@@ -130,6 +134,16 @@ class UpdateCalls:
             return
         for i in self.unused:
             self.offsets[i] += 1
+
+    def used_mask(self, key: Key) -> torch.Tensor:
+        """Whether each param of ``key`` (in layout order) has a grad this step: a bool mask on
+        the device, copied there once per set of unused params, not every step."""
+        kept = self._used.get(key.index)
+        if kept is None or kept[0] != self.unused:
+            used = [i not in self.unused for i in key.layout.params]
+            mask = torch.tensor(used, device=self.sharded.device)
+            kept = self._used[key.index] = (self.unused, mask)
+        return kept[1]
 
     def step_offsets(self) -> torch.Tensor | None:
         """Per engine param offsets on the device (None when all are zero)."""

@@ -8,6 +8,8 @@ re-planned once at a step boundary, and the run stays exact.
   clipping (where the key split changes no bit) those of the chosen fraction from the start and
   of no offload; the same key split and ``memory_bytes()`` as the chosen fraction from the
   start, and the GPU bytes saved.
+- Every class, with a param that never gets a grad: nothing derived from the old keys (NovoGrad's
+  used-params masks) is reused after the re-plan; the run is the re-plan by hand's bit for bit.
 - Checkpoints (``state_dict()``) taken before and after the re-plan load into an optimizer
   without offload and into another auto one, and continue the run bit for bit; sharded ones
   (``shardopt.checkpoint``) saved at world 2 resume at world 3 without offload, with full
@@ -32,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_cases
-from test_offload import BF16, FORMATS, _model, _opt, _same, _train
+from test_offload import BF16, CLASSES, FORMATS, _model, _opt, _same, _train
 
 import shardopt
 from shardopt import checkpoint
@@ -173,6 +175,28 @@ def replan_is_exact(rank, world):
         assert "backward" in auto[0].offload_plan.reason
         by_hand = _by_hand("Adam", BF16, auto[0].offload_plan.fraction, rank, {}, None)
         _check_same(auto, by_hand, "overlap_backward auto vs a re-plan by hand")
+    finally:
+        os.environ.pop(ENV, None)
+
+
+def replan_rebuilds_plan_caches(rank, world):
+    """Every class with a param that never gets a grad (``Net.unused``) across the re-plan: what
+    was derived from the old keys (NovoGrad's used-params masks, the planned calls, state I/O's
+    copies) is not reused by the new ones, so the steps after it are the re-plan by hand's and,
+    where the split changes no bit (LAMB's clipping sums its norm in the key split's order at
+    world 2), no offload's."""
+    _forced(HALF)
+    try:
+        for name in CLASSES:
+            for dtype in (torch.float32, BF16):
+                auto = _run(name, dtype, shardopt.CPUOffload(fraction="auto"), rank)
+                plan = auto[0].offload_plan
+                assert plan.replanned_at_step == 3 and plan.fraction == pytest.approx(0.5), plan
+                assert auto[0].update_calls.unused, "Net.unused must get no grad"
+                by_hand = _by_hand(name, dtype, plan.fraction, rank, {}, None)
+                _check_same(auto, by_hand, f"{name} {dtype} auto vs a re-plan by hand")
+                if name != "LAMB" or world == 1:
+                    _check_same(auto, _run(name, dtype, None, rank), f"{name} {dtype} vs none")
     finally:
         os.environ.pop(ENV, None)
 
@@ -341,8 +365,27 @@ def failed_measurement(rank, world):
 
 
 PLAN = [
-    (1, [replan_is_exact, checkpoints_across_the_replan, logged_once, bad_inputs]),
-    (2, [replan_is_exact, logged_once, bad_inputs, failed_measurement, save_w2]),
+    (
+        1,
+        [
+            replan_is_exact,
+            replan_rebuilds_plan_caches,
+            checkpoints_across_the_replan,
+            logged_once,
+            bad_inputs,
+        ],
+    ),
+    (
+        2,
+        [
+            replan_is_exact,
+            replan_rebuilds_plan_caches,
+            logged_once,
+            bad_inputs,
+            failed_measurement,
+            save_w2,
+        ],
+    ),
     (3, [replan_is_exact, checkpoints_across_the_replan, logged_once, resume_w3]),
     (4, [hsdp_replicas_agree]),
 ]
