@@ -12,13 +12,18 @@ contract torch documents for such optimizers. ``_ScalerLink`` talks to the scale
 public methods only: the loss scale is ``scaler.scale(ones)`` (a device tensor, no host sync),
 and the overflow decision reaches ``scaler.update()`` through ``scaler.unscale_`` of a one-element
 probe optimizer whose grad is the all-reduced sum of squares (non-finite exactly when a grad is).
-The scaler cannot be asked whether ``unscale_(optimizer)`` was called, and the optimizer's grads
-are never unscaled in place, so ``clip()`` returns the unscaled norm whenever it knows a scaler
-(the one given to it, else the one the last ``step()`` received): the norm it clips by.
+The optimizer's grads are never unscaled in place, so ``clip()`` returns the unscaled norm whenever
+it knows a scaler: the one given to it, else the last one that ``unscale_``-d this optimizer, else
+the one the last ``step()`` received. That is the norm the step clips by. The scaler cannot be
+asked which optimizers it unscaled, and ``unscale_`` finds no ``.grad`` on our params, so
+``hook_unscale()`` wraps the public ``GradScaler.unscale_`` (once per process, when the first
+optimizer is built) to tell the optimizer it was handed over. Without it, the first clip of a run,
+before any ``step()``, would not know the scaler and would return the loss-scaled norm.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +63,38 @@ class _ScalerLink:
         scaler.unscale_(self._probe)
 
 
+def _subclasses(cls: type) -> list[type]:
+    """``cls`` and every subclass defined so far."""
+    found = [cls]
+    for sub in cls.__subclasses__():
+        found += [c for c in _subclasses(sub) if c not in found]
+    return found
+
+
+def _hooked_unscale(original):
+    """``unscale_`` that also tells a DistributedFused* optimizer which scaler unscaled it."""
+
+    @functools.wraps(original)
+    def unscale_(scaler, optimizer):
+        original(scaler, optimizer)
+        amp = getattr(optimizer, "amp", None)
+        if isinstance(amp, AmpClip):
+            amp.unscaled_by(scaler)
+
+    unscale_.shardopt_hooked = True
+    return unscale_
+
+
+def hook_unscale() -> None:
+    """Wraps ``unscale_`` of ``torch.amp.GradScaler`` and of its subclasses defined so far that
+    override it (``torch.cuda.amp.GradScaler`` inherits it), once per class: the first clip of a
+    run then knows the scaler (see the module docstring)."""
+    for cls in _subclasses(torch.amp.GradScaler):
+        original = vars(cls).get("unscale_")
+        if original is not None and not getattr(original, "shardopt_hooked", False):
+            cls.unscale_ = _hooked_unscale(original)
+
+
 class AmpClip:
     """The grad norm, clipping and loss-scale handling of one iteration."""
 
@@ -75,10 +112,16 @@ class AmpClip:
         self.process_group = process_group
         self.grad_factor = grad_factor  # 1/ranks when averaging, else 1
         self.capturable = capturable
-        #: the GradScaler last handed to step() (clip() returns the norm it unscales)
+        #: the GradScaler that last unscale_-d this optimizer or was handed to step() (clip()
+        #: returns the norm it unscales)
         self._scaler = None
         self._link = _ScalerLink(sharded.device)
+        hook_unscale()
         self.reset()
+
+    def unscaled_by(self, scaler) -> None:
+        """``scaler.unscale_(optimizer)`` ran: the grads clip() sees are unscaled by it."""
+        self._scaler = scaler
 
     def reset(self) -> None:
         self.max_norm: float | None = None
@@ -105,9 +148,9 @@ class AmpClip:
 
     def clip(self, optimizer, max_norm: float, grad_scaler=None) -> torch.Tensor:
         """Arms clipping for the next step; returns the norm before clipping, unscaled when a
-        GradScaler is known (``grad_scaler``, else the one the last step received): the norm of
-        the grads ``step()`` clips, as ``torch.nn.utils.clip_grad_norm_`` returns it after
-        ``scaler.unscale_(optimizer)``."""
+        GradScaler is known (``grad_scaler``, else the last one that unscaled this optimizer or
+        that a step received): the norm of the grads ``step()`` clips, as
+        ``torch.nn.utils.clip_grad_norm_`` returns it after ``scaler.unscale_(optimizer)``."""
         self.max_norm = float(max_norm)
         norm = self.grad_norm()
         scaler = grad_scaler if grad_scaler is not None else self._scaler

@@ -93,9 +93,7 @@ def _clip_and_step(opt, cfg: Config, scaler, scales: list[float]) -> torch.Tenso
     if cfg.clip is not None:
         if scaler is not None:
             scaler.unscale_(opt)
-        # the scaler named: before the first step() the optimizer cannot know it otherwise
-        # (GradScaler's public methods do not say whether unscale_ ran; docs/api.md)
-        norm = opt.clip_grad_norm(cfg.clip, grad_scaler=scaler)
+        norm = opt.clip_grad_norm(cfg.clip)  # unscaled from the first step (after unscale_)
     if scaler is not None:
         scaler.step(opt)
         scaler.update()

@@ -50,8 +50,8 @@ def test_amp_glue_uses_only_public_grad_scaler_methods():
 def amp_clip_matches_ddp(rank, world):
     """GradScaler + scaler.unscale_ + clip (torch's AMP recipe) through torch's
     clip_grad_norm_ routing: the norms, the skipped step on an inf, the scales and the params
-    equal DDP + AdamW + torch's GradScaler. The scaler is handed to the first clip explicitly
-    (before any step() the optimizer cannot know it); later ones use the one step() received."""
+    equal DDP + AdamW + torch's GradScaler. The first clip is handed the scaler explicitly (the
+    ``grad_scaler`` argument); amp_recipe_* cover the recipe without it."""
     model, twin = _net(), _net()
     opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.01, weight_decay=0.0)
     ddp = nn.parallel.DistributedDataParallel(twin)
@@ -93,6 +93,69 @@ def amp_clip_matches_ddp(rank, world):
         for a, b in zip(model.parameters(), twin.parameters()):
             torch.testing.assert_close(a, b, **TOL)
     assert int(opt.param_groups[0]["step"].item()) == 4  # one skipped
+
+
+def _amp_recipe(rank, world, *, offload: bool, routed: bool):
+    """torch's AMP recipe with no extra argument (``scaler.unscale_(opt)``, then a clip) returns
+    the unscaled norm DDP + AdamW + torch's clip returns at every step, the first included."""
+    model, twin = _net(), _net()
+    kw = {"offload": "cpu"} if offload else {}
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.01, weight_decay=0.0, **kw)
+    ddp = nn.parallel.DistributedDataParallel(twin)
+    ref = torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(3):
+        scaler.scale(_loss(model, step, rank)).backward()
+        ref_scaler.scale(_loss(ddp, step, rank)).backward()
+        scaler.unscale_(opt)
+        ref_scaler.unscale_(ref)
+        if routed:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            norm = opt.clip_grad_norm(1.0)
+        ref_norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+        assert ref_norm > 1.0, "clipping must be active"
+        torch.testing.assert_close(norm.reshape(()), ref_norm, rtol=1e-5, atol=0)
+        scaler.step(opt)
+        ref_scaler.step(ref)
+        scaler.update()
+        ref_scaler.update()
+        ref.zero_grad(set_to_none=True)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a, b, **TOL)
+    opt.close()
+
+
+def amp_recipe_opt_clip(rank, world):
+    _amp_recipe(rank, world, offload=False, routed=False)
+
+
+def amp_recipe_routed_clip(rank, world):
+    _amp_recipe(rank, world, offload=False, routed=True)
+
+
+def amp_recipe_offload_opt_clip(rank, world):
+    _amp_recipe(rank, world, offload=True, routed=False)
+
+
+def amp_recipe_offload_routed_clip(rank, world):
+    _amp_recipe(rank, world, offload=True, routed=True)
+
+
+AMP_RECIPE_CASES = [
+    amp_recipe_opt_clip,
+    amp_recipe_routed_clip,
+    amp_recipe_offload_opt_clip,
+    amp_recipe_offload_routed_clip,
+]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_amp_recipe_first_step_norm(world):
+    results = run_cases(AMP_RECIPE_CASES, world, timeout=300)
+    errors = {k: v for k, v in results.items() if v is not None}
+    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
 
 
 def clip_routing_switch(rank, world):

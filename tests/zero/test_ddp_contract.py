@@ -1347,8 +1347,8 @@ def item11_clip_grad_norm_matches_ddp(rank, world):
 
 def item11_clip_grad_norm_after_unscale(rank, world):
     """Item 11: under a GradScaler, after scaler.unscale_(optimizer) (torch's AMP recipe),
-    clip_grad_norm returns the unscaled norm, as clip_grad_norm_ does on unscaled grads (the
-    scaler given to the first clip, which precedes any step(); later the one step() received)."""
+    clip_grad_norm returns the unscaled norm, as clip_grad_norm_ does on unscaled grads, from the
+    first step on (no grad_scaler argument)."""
     pair = Pair("Adam", _net())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
@@ -1357,7 +1357,7 @@ def item11_clip_grad_norm_after_unscale(rank, world):
         scaler.scale(_loss(pair.model, step, rank, side=rank == 0, scale=10.0)).backward()
         scaler.unscale_(pair.opt)
         ref_scaler.unscale_(pair.ref_opt)
-        norm = pair.opt.clip_grad_norm(0.5, grad_scaler=scaler if step == 0 else None)
+        norm = pair.opt.clip_grad_norm(0.5)
         ref_norm = torch.nn.utils.clip_grad_norm_(pair.ref.parameters(), 0.5)
         assert ref_norm > 0.5, "clipping must be active"
         torch.testing.assert_close(
