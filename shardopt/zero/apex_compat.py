@@ -108,29 +108,83 @@ def check_device(owner: str, device, params_device: torch.device) -> None:
         )
 
 
-def warn_underfilled(owner: str, keys) -> None:
-    """Apex's warning when params fill less than 70% of the bucket capacity.
+def apex_bucket_fill(
+    params: list[tuple[int, torch.dtype, torch.dtype]], bucket_cap_mb: float, world_size: int
+) -> tuple[int, int]:
+    """(filled, capacity) elements of Apex's buckets for ``params`` (numel, grad-sync dtype,
+    param-sync dtype), in param-group order.
 
-    As Apex, the capacity is every bucket at its full size (``bucket_cap_mb`` worth of grad-sync
-    elements, rounded to whole aligned chunks), so a ``bucket_cap_mb`` too large for the model
-    warns even though the last bucket here is only as long as the params in it: scripts (and
-    Apex's tests) take the warning as the sign to lower ``bucket_cap_mb``. Alignment of many tiny
-    params lowers the fill too.
+    Apex's measure, not shardopt's layout: params of every param group with the same dtypes fill
+    shared buckets in order, each start 128-byte aligned; a bucket holds ``bucket_cap_mb`` MiB
+    of grad-sync dtype cut into equal shards rounded down to the alignment (one alignment at
+    least), and a new bucket opens only when a param does not fit (a param may span buckets).
+    A bucket's fill ends at its last param.
     """
-    used = sum(sum(r.numel for r in k.layout.space_ranges.values()) for k in keys)
-    capacity = sum(
-        len(k.layout.buckets) * max(k.layout.bucket_numel, k.layout.buckets[0].numel)
+    open_buckets: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}  # dtypes -> fills
+    sizes: dict[tuple[torch.dtype, torch.dtype], int] = {}
+    for numel, grad_dtype, sync_dtype in params:
+        dtypes = (grad_dtype, sync_dtype)
+        align = max(128 // grad_dtype.itemsize, 1)
+        if dtypes not in sizes:
+            shard = int(bucket_cap_mb * 2**20 / grad_dtype.itemsize / world_size)
+            sizes[dtypes] = max(shard // align * align, align) * world_size
+            open_buckets[dtypes] = [0]
+        fills, size = open_buckets[dtypes], sizes[dtypes]
+        start = 0
+        while start < numel:
+            begin = -(-fills[-1] // align) * align
+            piece = min(numel - start, size - begin)
+            if piece <= 0:
+                fills.append(0)
+                continue
+            fills[-1] = begin + piece
+            start += piece
+    filled = sum(sum(f) for f in open_buckets.values())
+    capacity = sum(len(open_buckets[d]) * sizes[d] for d in open_buckets)
+    return filled, capacity
+
+
+def warn_underfilled(owner: str, keys, bucket_cap_mb: float, world_size: int) -> None:
+    """Apex's warning when the params fill less than 70% of Apex's buckets
+    (``apex_bucket_fill``), with a ``bucket_cap_mb`` that would fill them where one exists.
+
+    shardopt's last bucket of a key is only as long as its params, so a large cap costs no
+    memory here; what it costs is overlap: a model in one bucket reduce-scatters its grads only
+    after the whole backward. Scripts (and Apex's tests) take the warning as the sign to lower
+    ``bucket_cap_mb``; Apex's measure keeps the warning where Apex gives it.
+    """
+    per_param = sorted(
+        (i, n.numel, k.buffers.grad_dtype, k.buffers.sync_space.dtype)
         for k in keys
-        if k.layout.buckets
+        for i, n in k.layout.space_ranges.items()
     )
-    if capacity and used / capacity < BUCKET_FILL_WARNING:
-        ratio = used / capacity
-        warnings.warn(
-            f"{owner}: the params fill only {ratio:.1%} of the bucket capacity (fill ratio "
-            f"{ratio:.3f}, {used} of {capacity} elements; below {BUCKET_FILL_WARNING:.0%}). "
-            "Consider decreasing the bucket_cap_mb argument.",
-            stacklevel=5,  # the line constructing the optimizer (through __init__ and _build)
+    params = [entry[1:] for entry in per_param]
+    filled, capacity = apex_bucket_fill(params, bucket_cap_mb, world_size)
+    if not capacity or filled / capacity >= BUCKET_FILL_WARNING:
+        return
+    ratio = filled / capacity
+    largest: dict[tuple, int] = {}
+    for numel, grad_dtype, sync_dtype in params:
+        largest[grad_dtype, sync_dtype] = largest.get((grad_dtype, sync_dtype), 0) + numel * (
+            grad_dtype.itemsize
         )
+    whole_mb = max(largest.values()) / 2**20
+    advice = ""
+    for parts in range(1, 17):  # the largest cap below the current one that fills the buckets
+        cap = float(f"{whole_mb * 1.01 / parts:.3g}")
+        if cap < bucket_cap_mb:
+            fill = apex_bucket_fill(params, cap, world_size)
+            if fill[0] / fill[1] >= BUCKET_FILL_WARNING:
+                advice = f" (bucket_cap_mb={cap:g} fills {fill[0] / fill[1]:.0%})"
+                break
+    warnings.warn(
+        f"{owner}: the params fill only {ratio:.1%} of the bucket capacity (fill ratio "
+        f"{ratio:.3f}, {filled} of {capacity} elements of buckets of {bucket_cap_mb:g} MB, "
+        f"counted as Apex counts them; below {BUCKET_FILL_WARNING:.0%}): fewer, larger buckets "
+        "overlap less of the grad sync with backward. Consider decreasing the bucket_cap_mb "
+        f"argument.{advice}",
+        stacklevel=5,  # the line constructing the optimizer (through __init__ and _build)
+    )
 
 
 class ApexSurface:

@@ -71,7 +71,12 @@ from shardopt.zero import (
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.grad_sync import GradSync
 from shardopt.zero.param_sync import ParamSync
-from shardopt.zero.settings import check_remainders, check_settings
+from shardopt.zero.settings import (
+    DEFAULT_BUCKET_CAP_MB,
+    cap_chosen,
+    check_remainders,
+    check_settings,
+)
 from shardopt.zero.sharded_params import Key, ParamReboundError, ShardedParams, ShardingConfig
 from shardopt.zero.state_io import StateIO
 from shardopt.zero.update_calls import Call, UpdateCalls
@@ -99,7 +104,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         *,
         process_group: comm.ProcessGroup | None = None,
         redundant_process_group: comm.ProcessGroup | None = None,
-        bucket_cap_mb: float = 100.0,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         dtype: torch.dtype = torch.float32,
         grad_sync_dtype: torch.dtype | None = None,
         param_sync_dtype: torch.dtype | None = None,
@@ -176,6 +181,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             offload_huge_pages=offload_settings is not None and offload_settings.huge_pages,
         )
         self._pipeline_size = apex["pipeline_size"]
+        self._bucket_cap_chosen = cap_chosen(bucket_cap_mb)
         self._offload_settings = offload_settings
         self._build(name)
         apex_compat.check_device(name, apex["device"], self.device)
@@ -205,7 +211,10 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         if ub is not None:
             ub.register(self)
         sharded = self.sharded
-        apex_compat.warn_underfilled(name, sharded.keys)
+        if self._bucket_cap_chosen:
+            apex_compat.warn_underfilled(
+                name, sharded.keys, self.config.bucket_cap_mb, sharded.world_size
+            )
         self.rank, self.world_size = sharded.rank, sharded.world_size
         self.redundant_size = (
             comm.world_size(redundant_process_group) if redundant_process_group is not None else 1

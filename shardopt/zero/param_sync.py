@@ -83,8 +83,8 @@ class ParamSync:
         self._deferred_index = deferred
         if not self.busy:
             self.on_published()
-        elif not self.overlap:
-            self.wait()
+        elif not self.overlap or (progress is None and comm.world_size(self.process_group) == 1):
+            self.wait()  # one rank and no offload: the params now, nothing to overlap with
         else:
             self._install_forward_wait()
 

@@ -15,7 +15,10 @@ ZERO_ARGS_DOC = """
         process_group: the group the state is sharded over (default: WORLD).
         redundant_process_group: shards are replicated across this group (HSDP-style): grad
             shards are all-reduced over it after the reduce-scatter.
-        bucket_cap_mb: bucket size in MB of grad-sync dtype (a positive finite number).
+        bucket_cap_mb: bucket size in MiB (2**20 bytes) of grad-sync dtype (a positive finite
+            number; default 100). Passed explicitly, construction warns, as Apex does, when the
+            params fill less than 70% of the buckets as Apex counts them, naming a cap that
+            fills them.
         dtype: optimizer state dtype: float32, or bfloat16/float16 (16-bit moments; params of
             that dtype are then their own masters, Apex's meaning).
         state_format: how the moments are stored (DistributedFusedAdam): "fp32", "bf16",
@@ -53,6 +56,20 @@ ZERO_ARGS_DOC = """
     ``add_param_group`` after construction raises NotImplementedError: the flat buffers and shards
     are planned from the param groups at construction.
 """
+
+
+class _DefaultCap(float):
+    """``bucket_cap_mb``'s default, told apart from the same number passed by the user: the
+    under-filled bucket warning (apex_compat.warn_underfilled) is advice about a chosen cap."""
+
+
+DEFAULT_BUCKET_CAP_MB = _DefaultCap(100.0)
+
+
+def cap_chosen(bucket_cap_mb: float) -> bool:
+    """Whether ``bucket_cap_mb`` was passed rather than left at its default."""
+    return not isinstance(bucket_cap_mb, _DefaultCap)
+
 
 FLOAT_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: Apex's bit-copy path, any width (see Note: integer sync in shardopt/zero/sync_bits.py)

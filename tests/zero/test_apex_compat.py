@@ -100,34 +100,51 @@ def refused_and_checked_arguments(rank, world):
             )
 
 
+def _fill_warning(params, **kw) -> str | None:
+    """The under-filled bucket warning of a DistributedFusedAdam on ``params``, or None."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardopt.DistributedFusedAdam(params, **kw)
+    found = [str(w.message) for w in caught if "bucket_cap_mb" in str(w.message)]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
 def underfilled_buckets_warn(rank, world):
-    """Apex's warning when the params fill less than 70% of the bucket capacity (every bucket
-    at full size): a bucket_cap_mb too large for the model, or many tiny aligned params. It
-    names the fill ratio and ends as Apex's; none when the buckets are well filled."""
+    """Apex's warning when the params fill less than 70% of Apex's buckets: each bucket
+    ``bucket_cap_mb`` of grad-sync dtype in equal 32-element-aligned shards (rounded down), shared
+    by the param groups of the same dtypes. It names the fill ratio and Apex's advice, with a cap
+    that fills the buckets; that cap, taken, silences it."""
     numel = 256 * 256 + 256  # nn.Linear(256, 256), fp32 grads, starts already 32-aligned
-    unit = 32 * world  # 128-byte alignment of every rank's chunk
 
     def cap_mb(elements):
         return elements * 4 / 2**20
 
-    for cap, buckets in ((2 * numel, 1), (numel * 3 // 2, 1), (None, 1)):  # None: 100 MB
-        cap_numel = -(-int(cap if cap is not None else 100 * 2**20 / 4) // unit) * unit
-        ratio = numel / (buckets * cap_numel)
-        kw = {} if cap is None else {"bucket_cap_mb": cap_mb(cap)}
-        with pytest.warns(UserWarning) as caught:
-            shardopt.DistributedFusedAdam(nn.Linear(256, 256).parameters(), **kw)
-        (message,) = [str(w.message) for w in caught]
-        assert f"{ratio:.1%}" in message and f"fill ratio {ratio:.3f}" in message, message
-        assert message.endswith("Consider decreasing the bucket_cap_mb argument."), message
-    tiny = [nn.Parameter(torch.zeros(3)) for _ in range(16)]  # 3 of every 32 aligned elements
-    with pytest.warns(UserWarning, match="Consider decreasing the bucket_cap_mb argument"):
-        shardopt.DistributedFusedAdam(tiny, bucket_cap_mb=cap_mb(16 * 32))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for cap in (numel, numel * 0.6, numel / 3):  # 100%, 83%, 100% (3 full buckets)
-            shardopt.DistributedFusedAdam(
-                nn.Linear(256, 256).parameters(), bucket_cap_mb=cap_mb(cap)
-            )
+    for cap in (2 * numel, numel * 3 // 2, 100 * 2**20 // 4):  # the last: 100 MB, passed
+        bucket = (cap // world) // 32 * 32 * world  # one bucket holds the whole model
+        ratio = numel / bucket
+        message = _fill_warning(nn.Linear(256, 256).parameters(), bucket_cap_mb=cap_mb(cap))
+        assert message is not None and f"fill ratio {ratio:.3f}" in message, message
+        assert "Consider decreasing the bucket_cap_mb argument." in message, message
+        advised = float(message.split("(bucket_cap_mb=")[1].split(" ")[0])
+        assert cap_mb(numel) <= advised < cap_mb(cap), message
+        assert _fill_warning(nn.Linear(256, 256).parameters(), bucket_cap_mb=advised) is None
+    # the default cap is not the user's choice: no advice about it
+    model = nn.Linear(256, 256)
+    assert _fill_warning(model.parameters()) is None
+    # Apex counts alignment gaps inside a bucket as filled: 16 params of 3 elements, 32 apart
+    tiny = [nn.Parameter(torch.zeros(3)) for _ in range(16)]
+    assert _fill_warning(tiny, bucket_cap_mb=cap_mb(512)) is None
+    for cap in (numel, numel * 0.6, numel / 3):  # 100%, 83%, 100% (3 full buckets) at world 1
+        assert _fill_warning(nn.Linear(256, 256).parameters(), bucket_cap_mb=cap_mb(cap)) is None
+    # Apex's test_bucket_low_utilization_warning, scaled down: two param groups of the same
+    # dtypes share Apex's buckets, so a cap of exactly the params' size fills them
+    layers = [nn.Parameter(torch.ones(1, 8192 * world)) for _ in range(4)]
+    groups = [{"params": layers[1::2], "lr": 0.2}, {"params": layers[0::2]}]
+    exact = cap_mb(4 * 8192 * world)
+    assert _fill_warning(groups, bucket_cap_mb=exact) is None
+    message = _fill_warning(groups, bucket_cap_mb=2 * exact)
+    assert message is not None and "fill ratio 0.500" in message, message
 
 
 def fp64_params_with_fp32_state(rank, world):
@@ -188,6 +205,33 @@ def integer_param_sync(rank, world):
         assert not torch.equal(want, masters[i]["master_param"])  # (the masters keep more)
 
 
+def overlapped_sync_into_other_dtypes(rank, world):
+    """overlap_param_sync=True with a sync dtype other than the params' (int64 bits of fp32,
+    bf16 values of fp32, int32 bits of bf16: the gathered values reach the params in a copy
+    after the all-gather): with one rank there is nothing to overlap, so the params hold the
+    step's values when step() returns, as without overlap (Apex syncs at once on one rank; its
+    test_matches_pytorch_int64_param_sync reads them there). On more ranks, they do once a
+    forward of their module has run."""
+    for dtype, sync in ((torch.float32, torch.int64), (torch.float32, torch.bfloat16),
+                        (torch.bfloat16, torch.int32)):  # fmt: skip
+        models = [_model().to(dtype) for _ in range(2)]
+        opts = [
+            shardopt.DistributedFusedAdam(
+                m.parameters(), lr=1e-2, param_sync_dtype=sync, overlap_param_sync=overlap
+            )
+            for m, overlap in zip(models, (False, True))
+        ]
+        for step in range(3):
+            for m, o in zip(models, opts):
+                m(_batch(step, rank).to(dtype)).float().square().mean().backward()
+                o.step()
+                o.zero_grad()
+            if world > 1:
+                models[1](_batch(step, rank).to(dtype))  # the forward waits for the params
+            for p, q in zip(*(m.parameters() for m in models)):
+                assert torch.equal(p, q), (dtype, sync, step)
+
+
 def nccl_ub_on_one_rank_fails_everywhere(rank, world):
     """nccl_ub=True asked on rank 0 only (gloo, CPU: refused there) raises on every rank."""
     match = "nccl_ub=True registers CUDA buffers" if rank == 0 else "rank 0 failed: .*nccl_ub"
@@ -226,7 +270,7 @@ def persistent_grad_buffers_match_transient(rank, world):
                 bucket_cap_mb=64 * 4 / 2**20,
                 nccl_ub=ub,
                 overlap_param_sync=True,
-            )  # fmt: skip
+            )
             for m, ub in zip(models, (True, False))
         ]
     finally:
@@ -258,6 +302,7 @@ CASES = [
     underfilled_buckets_warn,
     fp64_params_with_fp32_state,
     integer_param_sync,
+    overlapped_sync_into_other_dtypes,
 ]
 
 
