@@ -11,7 +11,10 @@
 # py-cpuinfo pydantic msgpack psutil einops ninja --python-version 3.12 --only-binary=:all:
 # --platform manylinux2014_x86_64 -d .dswheels`, and name .dswheels in the tool's carry), quality
 # (train_gpt.py per state format; QUALITY_MODEL, QUALITY_STEPS, QUALITY_ARGS, QUALITY_TIMEOUT),
-# contract (the parity stage's tests/zero/nccl_contract.py alone), apex (tests/zero/apex_script.py: Apex-style scripts against DDP + AdamW, on every GPU). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
+# contract (the parity stage's tests/zero/nccl_contract.py alone), apex (tests/zero/apex_script.py: Apex-style scripts against DDP + AdamW, on every GPU), apex_suite (Apex's own
+# test_dist_adam.py against shardopt, launch_scripts/apex_suite.py; its files and an expecttest
+# wheel in $APEX_DIR, default .apex: `python launch_scripts/apex_suite.py extract --from APEX_GIT`
+# and `pip download expecttest --no-deps -d .apex/wheels` here, and name .apex in the carry). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
 # the end (the device tool returns at most 8 files).
 #   bash launch_scripts/device_run.sh tests parity kernels
 set -uo pipefail
@@ -21,7 +24,7 @@ mkdir -p "$OUT"
 trap 'tar czf "$FINAL/logs.tgz" -C "$FINAL" logs && rm -rf "$OUT"' EXIT
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} SHARDOPT_BUILD_CUDA=1 PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-32} SHARDOPT_BUILD_DIR=${SHARDOPT_BUILD_DIR:-$PWD/.build}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} APEX_DIR=${APEX_DIR:-$PWD/.apex}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 stage() { echo "== $1 $(date +%T)"; }
 
@@ -80,6 +83,9 @@ for s in "$@"; do
              > "$OUT/nccl_contract.log" 2>&1; grep -E "PASS|FAIL|refused" "$OUT/nccl_contract.log" | tail -8 ;;
     apex) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" tests/zero/apex_script.py \
              > "$OUT/apex_script.log" 2>&1; grep -E "PASS|FAIL|refused" "$OUT/apex_script.log" | tail -8 ;;
+    apex_suite) python3 -c "import expecttest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps "$APEX_DIR"/wheels/*.whl
+             timeout 500 python3 launch_scripts/apex_suite.py run --apex "$APEX_DIR" > "$OUT/apex_suite.log" 2>&1
+             grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/apex_suite.log" | tail -12 ;;
     quality) for f in fp32 bf16 scaled_fp16 int8; do
                # QUALITY_ARGS: more train_gpt.py flags, e.g. "--batch-size 8 --block-size 512"
                timeout "${QUALITY_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train_gpt.py \
