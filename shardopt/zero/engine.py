@@ -157,7 +157,8 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 ub = user_buffers.UserBuffers(name, device, groups)
         except (TypeError, ValueError, NotImplementedError) as e:
             error = e
-        comm.raise_if_any(error, process_group)
+        # (also: the offload settings the collectives depend on are the same on every rank)
+        offload_auto.agree(name, error, offload_settings, process_group, redundant_process_group)
         self.redundant_process_group = redundant_process_group
         #: the NUMA placement of the offloaded host state and update (None: not placed)
         self._offload_placement = placement

@@ -53,6 +53,15 @@ _allocations = itertools.count()
 _placing = threading.local()
 
 
+#: what a host tensor is for, when the caller does not say (named when its allocation fails)
+STATE = "the CPU offload's host state (masters and optimizer state)"
+
+
+class HostMemoryError(RuntimeError):
+    """A host allocation of CPU offload failed: the message names what it was for, the bytes
+    asked for and the remedies (raised on every rank: ``offload_auto.first_touch``)."""
+
+
 @contextlib.contextmanager
 def on_node(node: int | None) -> Iterator[None]:
     """Inside, the host tensors this thread allocates here have their pages preferred on NUMA
@@ -67,13 +76,29 @@ def on_node(node: int | None) -> Iterator[None]:
 
 
 def empty(
-    numel: int, dtype: torch.dtype, huge_pages: bool, offset: int | None = None
+    numel: int,
+    dtype: torch.dtype,
+    huge_pages: bool,
+    offset: int | None = None,
+    what: str = STATE,
 ) -> torch.Tensor:
     """An uninitialised host tensor of ``numel`` elements; with ``huge_pages`` and 2 MiB or more,
     in its own mapping advised ``MADV_HUGEPAGE``, starting ``offset`` bytes (a multiple of 64;
     default: the next of ``OFFSETS``) into a huge page (Note: huge pages for host state); inside
-    ``on_node``, its pages preferred on that NUMA node."""
-    t = _mapped(numel, dtype, huge_pages, offset)
+    ``on_node``, its pages preferred on that NUMA node. Raises ``HostMemoryError`` naming
+    ``what`` when the host has not the memory."""
+    try:
+        t = _mapped(numel, dtype, huge_pages, offset)
+    except (RuntimeError, MemoryError, OSError) as e:  # torch's allocator; mmap
+        nbytes = numel * dtype.itemsize
+        raise HostMemoryError(
+            f"CPU offload could not allocate {nbytes:,} bytes of host memory for {what} "
+            f"({numel:,} x {dtype}): {e}. Offload less (CPUOffload(fraction=...) below 1, or "
+            "'auto'), keep less state per param (state_format='int8' or 'fp16'; "
+            "store_param_remainders=True for bf16 params), use fewer staging_slots or a smaller "
+            "bucket_cap_mb (a slot is a bucket chunk), or more ranks (each holds 1/N of the "
+            "state)"
+        ) from e
     node = getattr(_placing, "node", None)
     if node is not None:  # before the first touch
         host_numa.prefer_node(t, node)
@@ -84,7 +109,7 @@ def _mapped(numel: int, dtype: torch.dtype, huge_pages: bool, offset: int | None
     nbytes = numel * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if not huge_pages or nbytes < MIN_BYTES or advice is None:
-        return torch.empty(numel, dtype=dtype)
+        return _allocate(numel, dtype)
     if offset is None:
         offset = OFFSETS[next(_allocations) % len(OFFSETS)]
     if offset % 64 or not 0 <= offset < HUGE_PAGE:
@@ -98,6 +123,11 @@ def _mapped(numel: int, dtype: torch.dtype, huge_pages: bool, offset: int | None
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds ``region`` while a view lives
     start = (-raw.data_ptr()) % HUGE_PAGE + offset
     return raw[start : start + nbytes].view(dtype)
+
+
+def _allocate(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Host memory from torch's allocator (tests replace it to make it fail)."""
+    return torch.empty(numel, dtype=dtype)
 
 
 def full(numel: int, dtype: torch.dtype, value: int | float, huge_pages: bool) -> torch.Tensor:

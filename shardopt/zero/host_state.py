@@ -3,13 +3,15 @@
 An offloaded key (``KeyBuffers.offloaded``, see offload_plan.py for which keys) keeps its master,
 optimizer state, int16 remainders and per-block scales in host memory (never pinned). The master
 is a separate host tensor: fp32 for a ``copy`` key; for a ``param`` key a host copy of this
-rank's param chunks (fp32 params: the fp32 master), updated in place by the same kernels and
-pushed back into the params' chunks. A ``remainder`` key keeps only its remainders on the host:
-the bf16 half of its masters stays in the params and is staged bucket by bucket around the
-update (offload_pipeline.py). Per step (the whole-shard path; see Note: the offloaded step):
+rank's param chunks (fp32 params: the fp32 master), which takes the param chunks before each
+update (the params are the truth, also after a write through ``p.data``), is updated in place
+by the same kernels and pushed back into the params' chunks. A ``remainder`` key keeps only its
+remainders on the host: the bf16 half of its masters stays in the params and is staged bucket
+by bucket around the update (offload_pipeline.py). Per step (the whole-shard path; see Note:
+the offloaded step):
 
   1. ``stage_grads``: the reduce-scattered grad shard comes to the host in its own dtype (bf16
-     grads travel as 2 B/param, never upcast on the device);
+     grads travel as 2 B/param, never upcast on the device), and a ``param`` key's params;
   2. the update rule runs the same kernels as without offload on the host tensors; a ``copy``
      key's kernel writes the new params (param or param-sync dtype, the cast fused in the
      kernel) into ``host_out``, the out slot;
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardopt.zero import host_memory
 from shardopt.zero.flat_buffer import KeyBuffers
 
 if TYPE_CHECKING:  # update_calls imports sharded_params, which imports this module
@@ -78,14 +81,17 @@ def push_params(buf: KeyBuffers) -> None:
 
 @torch.no_grad()
 def stage_grads(buf: KeyBuffers) -> None:
-    """The grad shard to the host, bucket chunk by bucket chunk, in the grad-sync dtype."""
-    host = torch.empty(buf.layout.shard_numel, dtype=buf.grad_dtype, device=buf.update_device)
+    """The grad shard to the host, bucket chunk by bucket chunk, in the grad-sync dtype; a
+    ``param`` key's host master takes the params' chunks (a write through ``p.data`` holds)."""
+    pull_params(buf)  # see Note: the params are the truth (engine.py)
+    n = buf.layout.shard_numel
+    host = host_memory.empty(n, buf.grad_dtype, False, what="the step's host copy of the grads")
     for bucket in buf.layout.buckets:
         buf.shard_of_bucket(host, bucket).copy_(buf.shard_of_bucket(buf.grad_shard, bucket))
     buf.host_grad = host
     if buf.master_kind == "copy" and not buf.out_by_copy:
-        buf.host_out = torch.empty(
-            buf.layout.shard_numel, dtype=buf.sync_space.dtype, device=buf.update_device
+        buf.host_out = host_memory.empty(
+            n, buf.sync_space.dtype, False, what="the step's host out slot of the params"
         )
 
 

@@ -41,6 +41,72 @@ from shardopt.zero.state_storage import Storage
 
 logger = logging.getLogger("shardopt")
 
+#: the ``CPUOffload`` fields every rank must agree on, since collectives depend on them:
+#: ``fraction`` splits the keys (and ``"auto"`` runs collectives of its own, here and at the
+#: re-plan), ``overlap_backward`` decides which buckets start their update during backward and
+#: the step's check of it; the other fields only tune this host's update and may differ
+AGREED_FIELDS = ("fraction", "overlap_backward")
+
+
+def agree(
+    owner: str,
+    error: Exception | None,
+    settings: CPUOffload | None,
+    process_group: comm.ProcessGroup | None,
+    redundant_process_group: comm.ProcessGroup | None,
+) -> None:
+    """Collective, at construction before any collective that depends on the offload settings:
+    raises ``error`` (a setting this rank refused) on every rank, as ``comm.raise_if_any`` does,
+    else a ValueError on every rank naming each of ``AGREED_FIELDS`` (or offload itself) that
+    differs between ranks. With HSDP the replicas are compared too (each rank sees every
+    rank's settings, so no rank goes on to a collective another skips)."""
+    mine = None if settings is None else tuple(getattr(settings, f) for f in AGREED_FIELDS)
+    everyone = _everywhere(error, mine, process_group, redundant_process_group)
+    first, _, theirs = everyone[0]
+    diffs = []
+    for rank, _, other in everyone[1:]:
+        if (theirs is None) != (other is None):
+            on = {True: "CPU offload", False: "no offload"}
+            diffs.append(
+                f"offload: rank {first} has {on[theirs is not None]}, rank {rank} has "
+                f"{on[other is not None]}"
+            )
+        elif theirs is not None:
+            diffs.extend(
+                f"CPUOffload.{name}: rank {first} has {a!r}, rank {rank} has {b!r}"
+                for name, a, b in zip(AGREED_FIELDS, theirs, other)
+                if a != b
+            )
+    if diffs:
+        raise ValueError(
+            f"{owner}: CPU offload settings differ between ranks (they must be equal on every "
+            "rank: the key split and the collectives depend on them): " + "; ".join(diffs[:5])
+        )
+
+
+def _everywhere(
+    error: Exception | None,
+    payload,
+    process_group: comm.ProcessGroup | None,
+    redundant_process_group: comm.ProcessGroup | None,
+) -> list[tuple]:
+    """Collective over the process group and, with HSDP, the replicas: raises ``error`` here
+    and the same type naming the first rank that failed on every other rank; else every rank's
+    (global rank, None, ``payload``), by rank."""
+    me = comm.global_rank(process_group, comm.rank(process_group))
+    failed = None if error is None else (type(error), str(error))
+    everyone = comm.all_gather_object((me, failed, payload), process_group)
+    if redundant_process_group is not None:
+        parts = comm.all_gather_object(everyone, redundant_process_group)
+        everyone = sorted({entry[0]: entry for part in parts for entry in part}.values())
+    if error is not None:
+        raise error
+    for rank, e, _ in everyone:
+        if e is not None:
+            kind, message = e
+            raise kind(f"rank {rank} failed: {message}")
+    return everyone
+
 
 def agreed_fraction(
     optimizer,
@@ -113,14 +179,21 @@ def numa_placement(owner: str, settings: CPUOffload | None, param_groups) -> Pla
 def first_touch(optimizer, settings: CPUOffload | None) -> Iterator[None]:
     """The context the host state is allocated in: the update's thread budget, so the zero fill
     is parallel, and the NUMA node its pages are preferred on, if placed (Note: NUMA placement
-    in host_numa.py)."""
+    in host_numa.py). Collective with offload: a host allocation that failed on one rank
+    (``host_memory.HostMemoryError``) raises on every rank, none going on to a collective the
+    failed one skips."""
     if settings is None:
         yield
         return
     placement = optimizer._offload_placement
     node = placement.node if placement is not None else None
+    error = None
     with host_state.threads(optimizer._offload_threads), host_memory.on_node(node):
-        yield
+        try:
+            yield
+        except host_memory.HostMemoryError as e:
+            error = e
+    _everywhere(error, None, optimizer.process_group, optimizer.redundant_process_group)
 
 
 def record(optimizer, settings: CPUOffload | None, fraction: float | None) -> OffloadPlan | None:

@@ -26,6 +26,17 @@ from typing import Literal
 #: the offloaded share of a key is rounded to whole params; a param is never split between the
 #: host and the GPU
 Fraction = float | Literal["auto"]
+#: the most staging slots per direction (see ``CPUOffload.staging_slots``)
+MAX_STAGING_SLOTS = 16
+
+
+def max_threads() -> int:
+    """The most update threads ``CPUOffload.threads`` may ask for: the CPUs this process may
+    use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -46,9 +57,14 @@ class CPUOffload:
         threads: CPU threads for the update (torch intra-op threads of this process); None:
             the cores this process may use, split evenly among the local ranks
             (``LOCAL_WORLD_SIZE``), less one for the rank's own thread where a rank has four or
-            more (it launches the forward and backward the update overlaps).
+            more (it launches the forward and backward the update overlaps). At most the
+            CPUs this process may use (``max_threads()``): the update is bound by DRAM
+            bandwidth, and more threads than cores only time-slice them (slower: see
+            docs/offload.md).
         staging_slots: page-locked staging buffers per direction (each the size of the largest
-            bucket chunk).
+            bucket chunk), at most ``MAX_STAGING_SLOTS`` (16): the worker keeps at most one
+            bucket queued behind the one it updates, so more slots only hold host memory (each
+            a bucket chunk, allocated at construction).
         overlap_backward: start an offloaded bucket's CPU update during backward, as soon as
             its reduce-scatter is done (Adam, SGD, Adagrad; every param of the bucket must have a
             grad on this rank). Exact only without clipping, GradScaler or a second
@@ -129,12 +145,18 @@ def resolve(owner: str, offload: object) -> CPUOffload | None:
             raise TypeError(f"{owner}: CPUOffload.fraction must be a float or 'auto', got {f!r}")
         if not 0.0 <= float(f) <= 1.0:
             raise ValueError(f"{owner}: CPUOffload.fraction must be in [0, 1], got {f}")
-    t = offload.threads
-    if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
-        raise ValueError(f"{owner}: CPUOffload.threads must be a positive int or None, got {t!r}")
+    t, cores = offload.threads, max_threads()
+    if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= cores):
+        raise ValueError(
+            f"{owner}: CPUOffload.threads must be None or an int >= 1 and at most the {cores} "
+            f"CPUs this process may use (more only time-slice them), got {t!r}"
+        )
     s = offload.staging_slots
-    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-        raise ValueError(f"{owner}: CPUOffload.staging_slots must be a positive int, got {s!r}")
+    if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MAX_STAGING_SLOTS:
+        raise ValueError(
+            f"{owner}: CPUOffload.staging_slots must be an int >= 1 and at most "
+            f"{MAX_STAGING_SLOTS} (more only hold host memory: a bucket chunk each), got {s!r}"
+        )
     for flag in ("pin_memory", "huge_pages"):
         value = getattr(offload, flag)
         if not isinstance(value, bool):
@@ -173,10 +195,7 @@ def thread_budget(threads: int | None, env: dict[str, str] | None = None) -> int
     if threads is not None:
         return threads
     ranks = local_ranks(env)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = max_threads()
     share = max(1, cores // ranks)
     return share - 1 if share >= 4 else share
 

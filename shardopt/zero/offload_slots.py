@@ -26,7 +26,9 @@ class Slots:
     def __init__(
         self, count: int, numel: int, dtype: torch.dtype, pin: bool, huge_pages: bool = False
     ) -> None:
-        self.buffers = [host_memory.empty(numel, dtype, huge_pages) for _ in range(count)]
+        self.buffers = [
+            host_memory.empty(numel, dtype, huge_pages, what="a staging slot") for _ in range(count)
+        ]
         #: per slot: the CUDA event of the copy that last used it (None: none pending)
         self.events: list[torch.cuda.Event | None] = [None] * count
         self.pinned = False

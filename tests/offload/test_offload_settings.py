@@ -1,0 +1,165 @@
+"""CPU offload settings on gloo: agreed across ranks, bounded, and what a fraction below 1 keeps.
+
+- ``fraction`` (``"auto"`` or a number), ``overlap_backward`` and offload itself differing
+  between ranks: a ValueError naming the setting on every rank, before any collective that
+  depends on them (``fraction="auto"`` runs collectives the other ranks would skip); no hang.
+- ``staging_slots`` and ``threads`` have upper bounds (a ValueError naming the field and the
+  bound on every rank, also when only one rank got it wrong), not an allocation that grows
+  until the kernel kills the process or an overflow deep in torch.
+- A host allocation that fails names the offloaded state, the bytes asked for and the remedies,
+  on every rank (also when only one rank's allocation failed), at construction and for the
+  staging slots.
+- ``fraction < 1`` at world 3: the offloaded and the GPU part of the shard are updated with the
+  bits of no offload (grads that one rank alone contributes, so that the reduce-scatter's order
+  of summation, which depends on the key split at three ranks or more, changes no bit).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_cases
+from test_offload import BF16, _model, _opt, _same, _train
+
+import shardopt
+from shardopt.zero import host_memory, offload_plan
+
+
+def _history(name, dtype, offload, rank, **train_kw):
+    model = _model(dtype)
+    opt = _opt(name, model, offload)
+    history = []
+
+    def each(step):
+        opt.wait_param_sync()
+        history.append([p.detach().clone() for p in model.parameters()])
+
+    _train(model, opt, rank, range(4), each=each, **train_kw)
+    return history, opt
+
+
+def settings_differ(rank, world):
+    """Each mismatch raises on every rank, naming the setting (world 3: rank 0 differs from the
+    others, and the last rank from the others)."""
+    model = _model(torch.float32)
+    auto, half = shardopt.CPUOffload(fraction="auto"), shardopt.CPUOffload(fraction=0.5)
+    cases = [
+        (auto if rank == 0 else half, "CPUOffload.fraction: rank 0 has 'auto', rank 1 has 0.5"),
+        (half if rank < world - 1 else auto, f"rank 0 has 0.5, rank {world - 1} has 'auto'"),
+        (None if rank == world - 1 else auto, f"offload: rank 0 has CPU offload, rank {world - 1}"),
+        (
+            shardopt.CPUOffload(overlap_backward=rank == 1),
+            "CPUOffload.overlap_backward: rank 0 has False, rank 1 has True",
+        ),
+    ]
+    for offload, match in cases:
+        with pytest.raises(ValueError, match="CPU offload settings differ") as info:
+            _opt("Adam", model, offload)
+        assert match in str(info.value), (match, str(info.value))
+    # what only tunes this host's update may differ: the same bits as without offload
+    mine = shardopt.CPUOffload(staging_slots=1 + rank, threads=1, pin_memory=rank == 0)
+    plain, _ = _history("Adam", BF16, None, rank)
+    tuned, _ = _history("Adam", BF16, mine, rank)
+    _same(plain, tuned, "staging_slots/pin_memory per rank")
+
+
+def bounds(rank, world):
+    model = _model(torch.float32)
+    cases = [
+        (shardopt.CPUOffload(staging_slots=10**9), "staging_slots"),
+        (shardopt.CPUOffload(staging_slots=offload_plan.MAX_STAGING_SLOTS + 1), "staging_slots"),
+        (shardopt.CPUOffload(threads=2**31), "threads"),
+        (shardopt.CPUOffload(threads=offload_plan.max_threads() + 1), "threads"),
+    ]
+    for bad, field in cases:
+        with pytest.raises(ValueError, match=f"CPUOffload.{field} must be .* at most"):
+            _opt("Adam", model, bad)
+    # wrong on one rank only: every rank raises
+    one = shardopt.CPUOffload(staging_slots=10**9 if rank == world - 1 else 2)
+    with pytest.raises(ValueError, match="staging_slots"):
+        _opt("Adam", model, one)
+    top = shardopt.CPUOffload(
+        staging_slots=offload_plan.MAX_STAGING_SLOTS, threads=offload_plan.max_threads()
+    )
+    _opt("Adam", model, top)  # the bounds themselves are fine
+
+
+def _failing(only_rank, rank, after=0):
+    """``host_memory``'s allocator failing as torch's does, on ``only_rank`` (after ``after``
+    allocations); returns the undo."""
+    real = host_memory._allocate
+    calls = [0]
+
+    def allocate(numel, dtype):
+        calls[0] += 1
+        if rank == only_rank and calls[0] > after:
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough "
+                f"memory: you tried to allocate {numel * dtype.itemsize} bytes."
+            )
+        return real(numel, dtype)
+
+    host_memory._allocate = allocate
+    return lambda: setattr(host_memory, "_allocate", real)
+
+
+def host_allocation_fails(rank, world):
+    """The state on the host (construction), the staging slots (after the state) and a re-plan's
+    state: every rank raises, the failing one naming what, how many bytes and the remedies."""
+    model = _model(torch.float32)
+    for after in (0, 3):  # 0: the master; 3: the first staging slot (master + 2 moments first)
+        undo = _failing(world - 1, rank, after)
+        try:
+            with pytest.raises(host_memory.HostMemoryError) as info:
+                _opt("Adam", model, "cpu")
+        finally:
+            undo()
+        text = str(info.value)
+        if rank == world - 1:
+            what = "the CPU offload's host state" if after == 0 else "a staging slot"
+            assert what in text and "bytes of host memory" in text, text
+            for remedy in ("fraction", "state_format", "staging_slots", "more ranks"):
+                assert remedy in text, (remedy, text)
+        else:
+            assert f"rank {world - 1} failed" in text, text
+    _opt("Adam", model, "cpu")  # the allocator back: fine
+
+
+def partial_fraction_world3(rank, world):
+    """fraction 0.5 at world 3: the host part and the GPU part of the shard give the bits of no
+    offload for every elementwise class, fp32 params (grads of rank 0 alone: adding zeros is
+    exact in any order); with every rank's fp32 grads the key split changes which rank owns an
+    element and so the order gloo adds the three ranks' grads in (see docs/offload.md)."""
+    assert world == 3
+    half = shardopt.CPUOffload(fraction=0.5)
+    for name in ("Adam", "SGD", "Adagrad"):
+        plain, _ = _history(name, torch.float32, None, rank, solo=True)
+        split, opt = _history(name, torch.float32, half, rank, solo=True)
+        assert [k.buffers.offloaded for k in opt.keys] == [True, False]
+        _same(plain, split, f"{name} fraction 0.5 at world 3")
+
+
+PLAN = [
+    (2, [settings_differ, bounds, host_allocation_fails]),
+    (3, [settings_differ, bounds, host_allocation_fails, partial_fraction_world3]),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = {}
+    for world, cases in PLAN:
+        found = run_cases(cases, world, timeout=300, pg_timeout=60, report_hangs=True)
+        for name, err in found.items():
+            out[(world, name)] = err
+    return out
+
+
+@pytest.mark.parametrize(
+    "world,case",
+    [(w, c) for w, cases in PLAN for c in cases],
+    ids=lambda v: f"world{v}" if isinstance(v, int) else v.__name__,
+)
+def test_offload_settings(results, world, case):
+    err = results[(world, case.__name__)]
+    assert err is None, err
