@@ -2,9 +2,15 @@
 
 Their grads never appear in ``param.grad`` (they are reduce-scattered into the optimizer's shards
 during backward), so torch's function would find no grads, return 0 and clip nothing. ``install()``
-(called when the first distributed optimizer is built; later calls do nothing) replaces
-``torch.nn.utils.clip_grad_norm_`` (and ``clip_grad_value_``), once per process, by one wrapper
-that routes them:
+(called when the first distributed optimizer is built; later calls do nothing) routes
+``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_`` and ``clip_grads_with_norm_``, once per
+process. It leaves torch's function objects in place and routes inside them: each is torch's
+no-grad wrapper around its body, and the wrapper's reference to the body (its closure cell) is
+pointed at a router that calls the body for anything not routed. So every name bound to the
+function routes, also one imported before the first optimizer existed (``from torch.nn.utils
+import clip_grad_norm_`` at the top of a script), ``clip_grad.clip_grad_norm_`` and the deprecated
+``clip_grad_norm``. (Where torch defines them otherwise, the module attributes are replaced
+instead, and a warning says that names imported earlier keep torch's function.)
 
 - a call whose params include params of a ``DistributedFused*`` optimizer is routed to
   ``optimizer.clip_grad_norm(max_norm)`` when the params are exactly that optimizer's trainable
@@ -13,7 +19,9 @@ that routes them:
 - any other mix (a subset of its params, params of two optimizers, or params that have ordinary
   ``.grad``s as well, a ``norm_type`` other than 2) raises ``RuntimeError`` instead of
   silently clipping nothing;
-- ``clip_grad_value_`` on such params raises ``RuntimeError``.
+- ``clip_grad_value_`` on such params raises ``RuntimeError``, and so does
+  ``clip_grads_with_norm_`` (a norm computed elsewhere; ``get_total_norm`` takes grads, which these
+  params do not have).
 
 Calls without such params go to torch's function unchanged. ``error_if_nonfinite`` and
 ``foreach`` are accepted; with ``error_if_nonfinite=True`` the norm is checked (a host sync).
@@ -127,22 +135,72 @@ def clip_grad_value_(parameters, clip_value, foreach=None, *, _torch=None):
     return _torch(params, clip_value, foreach)
 
 
+def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None, *, _torch=None):
+    params = _as_list(parameters)
+    if not _routing:
+        return _torch(params, max_norm, total_norm, foreach)
+    owners = [o for o in map(owner_of, params) if o is not None]
+    if owners:
+        raise RuntimeError(
+            f"torch.nn.utils.clip_grads_with_norm_: params held by {type(owners[0]).__name__} "
+            "have no .grad (their grads live in its shards), so a norm computed from .grad misses "
+            "them and there is nothing here to scale; use clip_grad_norm_(model.parameters(), "
+            "max_norm) or optimizer.clip_grad_norm(max_norm)"
+        )
+    return _torch(params, max_norm, total_norm, foreach)
+
+
+#: torch.nn.utils name -> its router
+_ROUTERS = {
+    "clip_grad_norm_": clip_grad_norm_,
+    "clip_grad_value_": clip_grad_value_,
+    "clip_grads_with_norm_": clip_grads_with_norm_,
+}
+
+
+def body_cell(fn):
+    """The closure cell through which torch's ``_no_grad`` wrapper ``fn`` calls its body, or None
+    where ``fn`` is not such a wrapper (another torch, or another library's function)."""
+    code = getattr(fn, "__code__", None)
+    if (
+        getattr(fn, "__module__", None) != "torch.nn.utils.clip_grad"
+        or code is None
+        or code.co_name != "_no_grad_wrapper"
+        or code.co_freevars != ("func",)
+    ):
+        return None
+    return fn.__closure__[0]
+
+
 def install() -> None:
-    """Wraps ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``, once per process (later
-    calls, and calls after another library re-wrapped them over ours, do nothing)."""
+    """Routes torch's clip functions (see the module docstring), once per process; later calls
+    do nothing."""
     global _installed
     if _installed:
         return
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 
-    pairs = (("clip_grad_norm_", clip_grad_norm_), ("clip_grad_value_", clip_grad_value_))
-    for name, ours in pairs:
-        original = getattr(utils, name)
-        wrapped = functools.wraps(original)(functools.partial(ours, _torch=original))
-        wrapped._shardopt_original = original
+    for name, ours in _ROUTERS.items():
+        fn = getattr(utils, name)
+        cell = body_cell(fn)
+        if cell is not None:
+            if not hasattr(cell.cell_contents, "shardopt_original"):
+                routed = functools.partial(ours, _torch=cell.cell_contents)
+                routed.shardopt_original = cell.cell_contents
+                cell.cell_contents = routed
+            continue
+        log.warning(
+            "torch.nn.utils.%s is not torch's no-grad wrapper; replacing the module attribute "
+            "instead: names imported before the first DistributedFused* optimizer was built keep "
+            "the function found there",
+            name,
+        )
+        wrapped = functools.wraps(fn)(functools.partial(ours, _torch=fn))
+        wrapped.shardopt_original = fn
         setattr(utils, name, wrapped)
-        if getattr(clip_grad, name, None) is original:
-            setattr(clip_grad, name, wrapped)
+        for attr in (name, "_" + name):
+            if getattr(clip_grad, attr, None) is fn:
+                setattr(clip_grad, attr, wrapped)
     _installed = True
     log.debug("torch.nn.utils.clip_grad_norm_ routes DistributedFused* params to the optimizer")

@@ -13,6 +13,12 @@ import torch
 import torch.nn as nn
 from dist_harness import run_cases
 
+# bound at import, before any optimizer exists (in the spawned ranks too): the early-import forms
+from torch.nn.utils import clip_grad_norm_ as early_clip_grad_norm_
+from torch.nn.utils import clip_grad_value_ as early_clip_grad_value_
+from torch.nn.utils import clip_grads_with_norm_ as early_clip_grads_with_norm_
+from torch.nn.utils.clip_grad import clip_grad_norm_ as early_clip_grad_norm_deep
+
 import shardopt
 from shardopt.zero import amp, torch_clip
 
@@ -179,11 +185,67 @@ def clip_routing_switch(rank, world):
     with pytest.raises(RuntimeError, match="value clipping"):
         torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
     opt.step()
-    # installed once: building another optimizer does not wrap the wrapper
-    wrapped = torch.nn.utils.clip_grad_norm_
+    # installed once: building another optimizer does not wrap the router; torch's function
+    # objects stay in place (routing happens inside them)
+    fn = torch.nn.utils.clip_grad_norm_
     shardopt.DistributedFusedAdam(_net().parameters(), lr=0.01)
-    assert torch.nn.utils.clip_grad_norm_ is wrapped
-    assert not hasattr(wrapped._shardopt_original, "_shardopt_original")
+    torch_clip.install()
+    assert torch.nn.utils.clip_grad_norm_ is fn is early_clip_grad_norm_
+    routed = torch_clip.body_cell(fn).cell_contents
+    assert routed.shardopt_original is fn.__wrapped__
+
+
+CLIP_FORMS = {
+    "torch.nn.utils.clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_,
+    "from torch.nn.utils import clip_grad_norm_ (before the optimizer)": (
+        lambda: early_clip_grad_norm_
+    ),
+    "from torch.nn.utils.clip_grad import clip_grad_norm_ (before the optimizer)": (
+        lambda: early_clip_grad_norm_deep
+    ),
+    "nn.utils.clip_grad_norm_": lambda: nn.utils.clip_grad_norm_,
+}
+
+
+def clip_every_import_form(rank, world):
+    """Each import form of torch's clip_grad_norm_, also one bound before any optimizer existed,
+    returns DDP's norm and clips as DDP + AdamW + torch's clip; the forms that cannot work
+    (value clipping, a norm computed elsewhere) raise instead of doing nothing."""
+    for form, clip in CLIP_FORMS.items():
+        model, twin = _net(), _net()
+        opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.01, weight_decay=0.0)
+        ddp = nn.parallel.DistributedDataParallel(twin)
+        ref = torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.0)
+        for step in range(2):
+            _loss(model, step, rank).backward()
+            _loss(ddp, step, rank).backward()
+            norm = clip()(model.parameters(), 1.0)
+            ref_norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+            assert ref_norm > 1.0, "clipping must be active"
+            torch.testing.assert_close(
+                norm.reshape(()), ref_norm, rtol=1e-5, atol=0, msg=lambda m, f=form: f"{f}: {m}"
+            )
+            opt.step()
+            ref.step()
+            ref.zero_grad(set_to_none=True)
+            for a, b in zip(model.parameters(), twin.parameters()):
+                torch.testing.assert_close(a, b, **TOL, msg=lambda m, f=form: f"{f}: {m}")
+        opt.close()
+    model = _net()
+    opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.01)
+    _loss(model, 0, rank).backward()
+    with pytest.raises(RuntimeError, match="value clipping"):
+        early_clip_grad_value_(model.parameters(), 0.1)
+    with pytest.raises(RuntimeError, match="clip_grads_with_norm_: params held by"):
+        early_clip_grads_with_norm_(model.parameters(), 1.0, torch.tensor(5.0))
+    opt.zero_grad()
+    opt.close()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_clip_every_import_form(world):
+    results = run_cases([clip_every_import_form], world, timeout=300)
+    assert results["clip_every_import_form"] is None, results["clip_every_import_form"]
 
 
 @pytest.mark.parametrize("world", [1, 2])
