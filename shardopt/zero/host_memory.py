@@ -93,11 +93,11 @@ def empty(
         nbytes = numel * dtype.itemsize
         raise HostMemoryError(
             f"CPU offload could not allocate {nbytes:,} bytes of host memory for {what} "
-            f"({numel:,} x {dtype}): {e}. Offload less (CPUOffload(fraction=...) below 1, or "
-            "'auto'), keep less state per param (state_format='int8' or 'fp16'; "
-            "store_param_remainders=True for bf16 params), use fewer staging_slots or a smaller "
-            "bucket_cap_mb (a slot is a bucket chunk), or more ranks (each holds 1/N of the "
-            "state)"
+            f"({numel:,} x {dtype}): {str(e).rstrip('.')}. Offload less "
+            "(CPUOffload(fraction=...) below 1, or 'auto'), keep less state per param "
+            "(state_format='int8' or 'fp16'; store_param_remainders=True for bf16 params), use "
+            "fewer staging_slots or a smaller bucket_cap_mb (a slot is a bucket chunk), or more "
+            "ranks (each holds 1/N of the state)"
         ) from e
     node = getattr(_placing, "node", None)
     if node is not None:  # before the first touch

@@ -29,7 +29,10 @@ Note: the re-plan
     them). The old keys' masters and states are dropped before the new ones are allocated, so
     the device never holds both. It costs one state-dict round trip (host memory of the full
     state, briefly) once per run. Checkpoints taken before or after it are ordinary ones and
-    load into any optimizer. The decision and its reason are logged once (``shardopt`` logger,
+    load into any optimizer. When the host memory of a rank cannot hold the new fraction's
+    state (``host_memory.HostMemoryError``, raised on every rank), the keys are planned again
+    with the fraction in effect and the run goes on with it (the reason says so; the failing
+    rank logs its error). The decision and its reason are logged once (``shardopt`` logger,
     INFO) and kept in ``optimizer.offload_plan`` (``replanned_at_step``,
     ``device_bytes_saved``). ``SHARDOPT_OFFLOAD_AUTO_MEASURED`` (JSON of ``cpu_ms``,
     ``copy_ms``, ``gpu_ms`` per element, ``free_bytes``, ``forward_ms``, ``backward_ms``)
@@ -46,7 +49,7 @@ import os
 
 import torch
 
-from shardopt.zero import comm, host_state, offload_measure, sharded_params
+from shardopt.zero import comm, host_memory, host_state, offload_measure, sharded_params
 from shardopt.zero.offload_plan import plan_fraction
 
 logger = logging.getLogger("shardopt")
@@ -201,7 +204,16 @@ def _replan(optimizer, fraction: float, reason: str, found: dict, steps: int) ->
         fraction = current
     optimizer._offload_reason, optimizer._offload_measurements = reason, found
     if fraction != optimizer.config.offload_fraction:
-        _rebuild(optimizer, name, fraction)
+        current = optimizer.config.offload_fraction
+        failed = _rebuild(optimizer, name, fraction)
+        if failed is not None:  # the same reason on every rank; the failing one logs its error
+            reason = (
+                f"auto: kept fraction {current:.3f}: the host memory of a rank could not hold "
+                f"the offloaded state of fraction {fraction:.3f} (the measured choice: "
+                f"{reason})"
+            )
+            fraction = current
+            logger.warning("%s: %s", name, failed)
     plan = optimizer.offload_plan
     # the plan of the keys as they are now, with the decision (a rebuild recorded it already)
     optimizer._offload_plan = dataclasses.replace(
@@ -219,8 +231,10 @@ def _replan(optimizer, fraction: float, reason: str, found: dict, steps: int) ->
 
 
 @torch.no_grad()
-def _rebuild(optimizer, name: str, fraction: float) -> None:
-    """The keys planned again with ``fraction``, the state carried over exactly."""
+def _rebuild(optimizer, name: str, fraction: float) -> host_memory.HostMemoryError | None:
+    """The keys planned again with ``fraction``, the state carried over exactly. When the host
+    cannot hold that fraction's state (on any rank: the error is raised on every rank), the
+    keys are planned again with the fraction in effect instead, and the error is returned."""
     saved = optimizer._gather_state_dict()  # waits for the last step's worker and all-gathers
     # what was derived from the old keys goes with them: the engine's roles are built anew
     # below (their calls, masks and indices), and state I/O's uncommitted copies are dropped
@@ -228,23 +242,40 @@ def _rebuild(optimizer, name: str, fraction: float) -> None:
     lockstep, scaler = optimizer.grad_sync.lockstep, optimizer.amp._scaler
     amp, it = optimizer.amp, optimizer.grad_sync.iteration
     clean = amp.max_norm is None and scaler is None and not it.rounds  # the step just taken
-    pipeline = optimizer._offload_pipeline
-    optimizer.param_sync.close()
-    if pipeline is not None:
-        pipeline.worker.stop()
-        for ring in pipeline._rings():
-            ring.release()
-    optimizer.grad_sync.remove_hooks()
-    sharded_params.release(optimizer.params, optimizer)
+    before = optimizer.config.offload_fraction
     # the old masters and states go before the new ones are allocated (the device never holds
     # both); the params keep their values in the old param buffers until the new ones bind them
-    for attr in ("sharded", "keys", "grad_sync", "amp", "param_sync", "update_calls"):
-        setattr(optimizer, attr, None)
-    optimizer._offload_pipeline = pipeline = None
+    _drop_keys(optimizer)
     optimizer.config = dataclasses.replace(optimizer.config, offload_fraction=float(fraction))
-    optimizer._build(name)
+    failed = None
+    try:
+        optimizer._build(name)
+    except host_memory.HostMemoryError as e:  # on every rank (offload_auto.first_touch)
+        failed = e
+        _drop_keys(optimizer)  # what the build made before the allocation failed
+        optimizer.config = dataclasses.replace(optimizer.config, offload_fraction=before)
+        optimizer._build(name)
     # what outlives an iteration: the lockstep count, the GradScaler seen, the last step's kind
     optimizer.grad_sync.lockstep, optimizer.amp._scaler = lockstep, scaler
     if optimizer._offload_pipeline is not None:
         optimizer._offload_pipeline.early.clean_before = clean
     optimizer._scatter_state_dict(saved)
+    return failed
+
+
+def _drop_keys(optimizer) -> None:
+    """Releases the keys and the roles built on them (hooks, the offload worker and its staging
+    slots, the params' owner), also those of a build that stopped part way."""
+    pipeline = optimizer._offload_pipeline
+    if optimizer.param_sync is not None:
+        optimizer.param_sync.close()
+    if pipeline is not None:
+        pipeline.worker.stop()
+        for ring in pipeline._rings():
+            ring.release()
+    if optimizer.grad_sync is not None:
+        optimizer.grad_sync.remove_hooks()
+    sharded_params.release(optimizer.params, optimizer)
+    for attr in ("sharded", "keys", "grad_sync", "amp", "param_sync", "update_calls"):
+        setattr(optimizer, attr, None)
+    optimizer._offload_pipeline = None

@@ -8,7 +8,7 @@
   until the kernel kills the process or an overflow deep in torch.
 - A host allocation that fails names the offloaded state, the bytes asked for and the remedies,
   on every rank (also when only one rank's allocation failed), at construction and for the
-  staging slots.
+  staging slots; at auto's re-plan every rank keeps the fraction in effect instead.
 - ``fraction < 1`` at world 3: the offloaded and the GPU part of the shard are updated with the
   bits of no offload (grads that one rank alone contributes, so that the reduce-scatter's order
   of summation, which depends on the key split at three ranks or more, changes no bit).
@@ -16,10 +16,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from dist_harness import run_cases
 from test_offload import BF16, _model, _opt, _same, _train
+from test_offload_auto import ENV, HALF, _forced
 
 import shardopt
 from shardopt.zero import host_memory, offload_plan
@@ -125,6 +128,43 @@ def host_allocation_fails(rank, world):
     _opt("Adam", model, "cpu")  # the allocator back: fine
 
 
+def replan_allocation_fails(rank, world):
+    """auto's re-plan (forced to 0.5) cannot allocate the host state (or, after it, the first
+    staging slot, when the new keys' hooks are in place) on the last rank: every rank keeps the
+    fraction in effect (0 on a CPU job), with the reason, and trains on with the bits of no
+    offload."""
+    model = _model(torch.float32)
+    plain = _opt("Adam", model, None)
+    expected = []
+    _train(model, plain, rank, range(6), each=lambda s: expected.append(
+        [p.detach().clone() for p in model.parameters()]))  # fmt: skip
+    for after in (0, 3):
+        _forced(HALF)
+        undo = None
+        try:
+            model = _model(torch.float32)
+            opt = _opt("Adam", model, shardopt.CPUOffload(fraction="auto"))
+            undo = _failing(world - 1, rank, after)  # from now on: the re-plan's allocations
+            history = []
+
+            def each(step, m=model, o=opt, out=history):
+                o.wait_param_sync()
+                out.append([p.detach().clone() for p in m.parameters()])
+
+            _train(model, opt, rank, range(6), each=each)
+        finally:
+            os.environ.pop(ENV, None)
+            if undo is not None:
+                undo()
+        plan = opt.offload_plan
+        assert plan.fraction == 0.0 and plan.replanned_at_step == 3, plan
+        assert "could not hold the offloaded state of fraction 0.500" in plan.reason, plan
+        assert not any(k.buffers.offloaded for k in opt.keys)
+        _same(history, expected, f"after a failed re-plan ({after}) vs no offload")
+        _same(opt.state_dict(), plain.state_dict(), "state_dict")
+        opt.close()
+
+
 def partial_fraction_world3(rank, world):
     """fraction 0.5 at world 3: the host part and the GPU part of the shard give the bits of no
     offload for every elementwise class, fp32 params (grads of rank 0 alone: adding zeros is
@@ -140,8 +180,17 @@ def partial_fraction_world3(rank, world):
 
 
 PLAN = [
-    (2, [settings_differ, bounds, host_allocation_fails]),
-    (3, [settings_differ, bounds, host_allocation_fails, partial_fraction_world3]),
+    (2, [settings_differ, bounds, host_allocation_fails, replan_allocation_fails]),
+    (
+        3,
+        [
+            settings_differ,
+            bounds,
+            host_allocation_fails,
+            replan_allocation_fails,
+            partial_fraction_world3,
+        ],
+    ),
 ]
 
 
