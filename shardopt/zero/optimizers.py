@@ -19,7 +19,9 @@ from shardopt.algorithms.hyperparams import Hyperparams
 from shardopt.algorithms.validation import check_torch_flags
 from shardopt.zero import comm, state_storage
 from shardopt.zero.amp import StepScalars
+from shardopt.zero.apex_compat import APEX_DEFAULTS
 from shardopt.zero.engine import DistributedOptimizer
+from shardopt.zero.settings import show_sharding_args
 from shardopt.zero.update_calls import sum_by_param
 
 _TORCH_FLAGS = ("maximize", "foreach", "fused", "differentiable")
@@ -50,7 +52,7 @@ class DistributedFusedAdam(DistributedOptimizer):
     Args:
         params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad: as
             ``FusedAdam`` (shardopt/algorithms/adam.py).
-        **zero_args: see the module's sharding arguments.
+        **zero_args: the sharding arguments below.
 
     Example:
         >>> opt = DistributedFusedAdam(model.parameters(), lr=1e-3)  # doctest: +SKIP
@@ -469,3 +471,13 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             values = vec[torch.tensor(positions, dtype=torch.long)].to(self.device)
             index = torch.tensor(indices, dtype=torch.long, device=self.device)
             self.second_moment.index_copy_(0, index, values.to(self.second_moment.dtype))
+
+
+for _cls in (
+    DistributedFusedAdam,
+    DistributedFusedSGD,
+    DistributedFusedAdagrad,
+    DistributedFusedLAMB,
+    DistributedFusedNovoGrad,
+):
+    show_sharding_args(_cls, DistributedOptimizer.__init__, APEX_DEFAULTS)

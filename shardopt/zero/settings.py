@@ -4,8 +4,10 @@ they find on every rank)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
+from typing import Any
 
 import torch
 
@@ -49,6 +51,9 @@ ZERO_ARGS_DOC = """
             tensor; needs overlap_param_sync=False and no GradScaler.
         offload: "cpu" or a ``shardopt.CPUOffload``: masters and state of (a fraction of) this
             rank's shard live in host memory, updated there by the same kernels (docs/offload.md).
+        distributed_process_group, device, pipeline_size, contiguous_param_buffer,
+            contiguous_grad_buffer, store_params, nccl_ub: Apex's keywords, with Apex's
+            defaults and meanings (docs/migration.md, "From Apex").
         foreach, fused: accepted for torch.optim compatibility; no effect.
         maximize, differentiable: must be False (True raises NotImplementedError).
 
@@ -127,3 +132,22 @@ def check_remainders(name: str, param_groups: list[dict], param_sync_dtype) -> N
             f"the trainable params are {sorted(str(d) for d in dtypes)} with param_sync_dtype="
             f"{param_sync_dtype}: it would change nothing; leave it off"
         )
+
+
+#: torch.optim's common flags every class accepts (``check_torch_flags``), with their defaults
+_TORCH_FLAG_DEFAULTS = {"foreach": None, "fused": None, "maximize": False, "differentiable": False}
+
+
+def show_sharding_args(cls: type, engine_init, apex_defaults: dict[str, Any]) -> None:
+    """``help(cls)`` and ``inspect.signature(cls)`` show every argument the class takes: its
+    algorithm's (its own ``__init__``), then the engine's keyword-only sharding arguments, Apex's
+    keywords and torch.optim's flags with their defaults (all of which the class receives through
+    ``**zero_args``); the docstring gains ``ZERO_ARGS_DOC``."""
+    own = inspect.signature(cls.__init__)
+    kept = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    kw = inspect.Parameter.KEYWORD_ONLY
+    sharding = [p for p in inspect.signature(engine_init).parameters.values() if p.kind is kw]
+    extra = {**apex_defaults, **_TORCH_FLAG_DEFAULTS}
+    sharding += [inspect.Parameter(name, kw, default=value) for name, value in extra.items()]
+    cls.__init__.__signature__ = own.replace(parameters=kept + sharding)
+    cls.__doc__ = (cls.__doc__ or "") + ZERO_ARGS_DOC

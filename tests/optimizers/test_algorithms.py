@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import pydoc
 
 import pytest
 import torch
@@ -69,13 +70,17 @@ def test_both_constructors_take_the_definitions_defaults(algorithm, single, zero
         assert cls.state_names == algorithm.STATE_NAMES
     # the same positional order (Apex's) of the hyperparameters in both
     assert _hyper_order(single, names) == _hyper_order(zero, names)
-    # the ZeRO class's named arguments are exactly the definition's (the rest is **zero_args)
-    named = [
-        n
-        for n, p in inspect.signature(zero).parameters.items()
-        if n != "params" and p.kind is not inspect.Parameter.VAR_KEYWORD
-    ]
+    # the ZeRO class's positional arguments are exactly the definition's; the keyword-only ones
+    # are the sharding arguments (**zero_args), which help() and inspect.signature show too
+    signature = inspect.signature(zero).parameters
+    kw = inspect.Parameter.KEYWORD_ONLY
+    named = [n for n, p in signature.items() if n != "params" and p.kind is not kw]
     assert set(named) == names
+    sharding = {"process_group", "bucket_cap_mb", "offload", "overlap_grad_sync", "state_format",
+                "overlap_param_sync", "store_param_remainders"}  # fmt: skip
+    assert sharding <= {n for n, p in signature.items() if p.kind is kw}
+    shown = pydoc.render_doc(zero, renderer=pydoc.plaintext)
+    assert all(f"{n}:" in shown.split("Sharding arguments")[1] for n in sharding), shown
     # the param groups get the definition's entries (and FusedX's own, e.g. maximize)
     p = torch.nn.Parameter(torch.ones(2))
     lr = 0.1 if algorithm is sgd else algorithm.Hyperparams.lr
