@@ -61,6 +61,7 @@ from shardopt.zero import (
     comm,
     host_state,
     offload_auto,
+    offload_backward,
     offload_pipeline,
     offload_plan,
     sharded_params,
@@ -379,6 +380,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         elif binding_error is not None:
             raise binding_error
         scalars = self.amp.step_scalars(self, grad_scaler, self.needs_grad_norm)
+        offload_backward.check_early(self, scalars)  # misuse raises before any count moves
         for group in self.param_groups:
             if scalars.found_inf_t is None:
                 group["step"].add_(1)
@@ -450,6 +452,9 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         comm.arrive(name, self.process_group)
         if self.redundant_process_group is not None:
             comm.arrive(name, self.redundant_process_group)
+        # CPU offload: state I/O between backward and step (see Note: state I/O between
+        # backward and step in offload_backward.py)
+        offload_backward.before_state_io(self, call)
 
     # -- introspection and DCP -------------------------------------------------------------------
 

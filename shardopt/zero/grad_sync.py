@@ -141,7 +141,7 @@ class GradSync:
         check_grad(p, owner)
         if self.enabled and not it.end_queued:  # the first grad of a synchronised backward
             if self.overlap and self.lockstep.launched and self.checks_lockstep:
-                self._check_lockstep(PHASE_BACKWARD)
+                self.check_lockstep(PHASE_BACKWARD)
             if it.round_closed:  # a further synchronised backward: accumulate, as DDP does
                 self._next_round()
                 it = self.iteration
@@ -326,9 +326,11 @@ class GradSync:
         lockstep)."""
         return self.sharded.config.skip_unused_params
 
-    def _check_lockstep(self, phase: int) -> None:
-        """The step-interval all-reduce, run where a further synchronised backward starts (it
-        pairs with a step() or a grad-norm call on ranks that did not skip their step())."""
+    def check_lockstep(self, phase: int) -> None:
+        """The step-interval all-reduce outside ``step()`` and the norm: where a further
+        synchronised backward starts (it pairs with a step() or a grad-norm call on ranks that
+        did not skip their step()), and in CPU offload's ``zero_grad()`` after updates during
+        backward (offload_backward.py); raises ``LockstepError`` on every rank if they differ."""
         self._all_reduce_flags(phase, torch.zeros(len(self.sharded.params)), None)
 
     def drop(self) -> None:

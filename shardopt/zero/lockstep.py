@@ -34,8 +34,14 @@ norm's all-reduce, like the step's, is then checked on the host (one host sync, 
 norm is a device tensor again). A rank whose grads were dropped after their reduce-scatters were
 launched launches no more of them in ``step()``.
 
-A rank with no backward at all in an iteration is not a mismatch: it contributes zero grads (see
-docs/spec.md, DDP equivalence). On a mismatch every rank of the all-reduce raises ``LockstepError``
+A rank with no synchronised backward in an iteration in which the others ran one is a mismatch
+too: it is what an extra ``step()`` on one rank looks like (that step's collectives pair with the
+others' next iteration, and from then on the ranks run one iteration apart, every count equal,
+until one of them waits alone at the end), so a rank without a batch must still run a backward
+(of a zero loss, as under DDP); every rank stepping after no backward is in lockstep. CPU offload
+with updates during backward adds the phase "drop": ``zero_grad()`` after buckets were updated
+during backward all-reduces before it all-gathers their params (see Note: updates during backward
+in offload_backward.py). On a mismatch every rank of the all-reduce raises ``LockstepError``
 (they all read the same sums), naming each rank and what it did; no collective follows the raise
 (with HSDP it comes after both groups' all-reduces, below). LAMB's and NovoGrad's per-tensor norm
 all-reduces run inside ``step()`` after its checked flags all-reduce, which every rank then passed
@@ -61,14 +67,14 @@ import torch
 
 from shardopt.zero import comm
 
-PHASE_STEP, PHASE_BACKWARD, PHASE_NORM = 1, 2, 3
+PHASE_STEP, PHASE_BACKWARD, PHASE_NORM, PHASE_DROP = 1, 2, 3, 4
 #: per-rank slots: the norm's partial sum of squares, a failed param (+1), whether this rank saw
 #: the ranks leave lockstep in an earlier group's all-reduce, then the compared values
 SLOT_NORM, SLOT_FAILED, SLOT_LEFT = 0, 1, 2
 #: values compared: phase, steps done (low and high part, each exact in fp32), passes, dropped
 NUM_VALUES = 5
 RANK_SLOTS = 3 + NUM_VALUES
-_PASSES = 3  # the compared value a rank with no backward may differ in (it has none)
+_PASSES = 3  # the compared value that counts the synchronised backward passes
 _STEP_SPLIT = 2**23
 
 
@@ -131,12 +137,15 @@ class Lockstep:
         world = comm.world_size(group)
         slots = reduced[n:].reshape(world, RANK_SLOTS)
         values = slots[:, SLOT_LEFT + 1 :].tolist()
-        first = values[0]
-        passes = {v[_PASSES] for v in values if v[_PASSES] != 0}
-        same = all(v[:_PASSES] + v[_PASSES + 1 :] == first[:_PASSES] + first[_PASSES + 1 :]
-                   for v in values)  # fmt: skip
         error = None
-        if not same or len(passes) > 1:
+        if any(v != values[0] for v in values):
+            passes = {v[_PASSES] for v in values}
+            idle = (
+                " (a rank without a batch must still run a backward, e.g. of a zero loss, as "
+                "under DDP; a step() with no backward on one rank is an extra step())"
+                if 0 in passes and len(passes) > 1
+                else ""
+            )
             error = (
                 f"{self.owner}: the ranks left lockstep (every rank must run the same "
                 "synchronised backward passes, grad-norm calls (clip_grad_norm(), grad_norm(), "
@@ -145,7 +154,8 @@ class Lockstep:
                 + "; ".join(
                     f"rank {comm.global_rank(group, i)} {describe(v)}" for i, v in enumerate(values)
                 )
-                + ". No rank steps; the ranks' state may already differ: restart from a checkpoint"
+                + f"{idle}. No rank steps; the ranks' state may already differ: restart from a "
+                "checkpoint"
             )
         elif slots[:, SLOT_LEFT].any():
             told = [comm.global_rank(group, int(i)) for i in slots[:, SLOT_LEFT].nonzero()]
@@ -172,6 +182,11 @@ def describe(values: list[float]) -> str:
         what = (
             f"is computing the grad norm (clip_grad_norm(), grad_norm() or torch's "
             f"clip_grad_norm_) before step() #{steps + 1} after {done}"
+        )
+    elif phase == PHASE_DROP:
+        what = (
+            f"is in zero_grad() before step() #{steps + 1} after {done}, dropping grads that "
+            "CPU offload already used to update buckets during backward"
         )
     else:
         what = (

@@ -448,7 +448,7 @@ def update(optimizer, scalars) -> None:
     pipeline = optimizer._offload_pipeline
     if optimizer.bucketwise_update:
         early = pipeline.early
-        progress, done = early.at_step(optimizer, scalars)  # raises on misuse, on every rank
+        progress, done = early.at_step()  # (misuse was raised by ``check_early``)
         view = frozen_view(optimizer)  # before the GPU keys' update writes the per-step values
         with optimizer.update_calls.within(None, None):
             optimizer._update(scalars)  # the GPU keys

@@ -5,12 +5,14 @@ process-group timeout, so a hang or an abort fails it. Out-of-lockstep cases mak
 (rank 1 of 2, rank 2 of 3) deviate; every rank must raise, naming every rank. A skipped step is
 caught also where the other ranks take the grad norm before their step (``clip_grad_norm()``,
 ``grad_norm()``, torch's ``clip_grad_norm_`` routed, a GradScaler with a clip, LAMB's built-in
-clipping), and a clip on some ranks only. The patterns that are in lockstep (accumulation
-without no_sync, every rank dropping a batch, a rank with no backward) keep working and match a
-reference; a clipped run matches DDP + torch.optim and its norms are bit-identical to one sum
-all-reduce of each rank's partial (the computation before the norm carried the check); the
-check adds no collective to a step. With a redundant group (HSDP, world 4) a zero_grad() before
-the step or the clip on one rank makes every rank raise, and the clipped norm is unchanged.
+clipping), and a clip on some ranks only; so is an extra step() on one rank (a rank with no
+backward while the others ran one). The patterns that are in lockstep (accumulation without
+no_sync, every rank dropping a batch, a rank without a batch that backpropagates a zero loss)
+keep working and match a reference; a clipped run matches DDP + torch.optim and its norms are
+bit-identical to one sum all-reduce of each rank's partial (the computation before the norm
+carried the check); the check adds no collective to a step. With a redundant group (HSDP,
+world 4) a zero_grad() before the step or the clip on one rank makes every rank raise, and the
+clipped norm is unchanged.
 """
 
 from __future__ import annotations
@@ -181,25 +183,61 @@ def every_rank_drops_a_batch(rank, world):
             assert torch.equal(v, before[k]), k
 
 
-def a_rank_without_backward_contributes_zeros(rank, world):
-    """The last rank runs no backward in one iteration (an empty batch): not a lockstep error;
-    its grads count as zeros, as docs/spec.md says."""
+def extra_step_on_one_rank(rank, world):
+    """The last rank calls step() twice in the second iteration: every rank raises at that
+    step() (#3 on every rank), instead of running one iteration apart until the last rank
+    waits alone at the end."""
+    for overlap in (True, False):
+        model = _model()
+        opt = _opt(model, overlap_grad_sync=overlap)
+
+        def loop(model=model, opt=opt):
+            for step in range(3):
+                _backward(model, step, rank)
+                opt.step()
+                if step == 1 and rank == world - 1 and world > 1:
+                    opt.step()
+                opt.zero_grad()
+
+        _expect_lockstep_error(
+            rank, world, loop, "step() #3 after 0 synchronised backward passes", "extra step()"
+        )
+
+
+def a_rank_without_batch_backpropagates_a_zero_loss(rank, world):
+    """The last rank has no batch in one iteration: without a backward it is out of lockstep
+    (its step() is an extra step() to the others); with the backward of a zero loss, as under
+    DDP, its grads count as zeros and the run matches the reference."""
     model, ref = _model(), _model()
     opt, ref_opt = _opt(model), _opt(ref)
     for step in range(2):
-        idle = step == 1 and rank == world - 1 and world > 1  # (alone, it would skip the step)
-        if not idle:
+        idle = step == 1 and rank == world - 1 and world > 1
+        if idle:
+            (model(torch.zeros(2, 3)).sum() * 0.0).backward()
+        else:
             _backward(model, step, rank)
         opt.step()
         opt.zero_grad()
-        if idle:  # the reference: the idle rank backpropagates a zero loss
-            (ref(torch.zeros(2, 3)).sum() * 0.0).backward()
+        if idle:  # the reference: a batch of its own whose loss counts nothing
+            (ref(torch.randn(2, 3)).sum() * 0.0).backward()
         else:
             _backward(ref, step, rank)
         ref_opt.step()
         ref_opt.zero_grad()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, **TOL)
+
+    model = _model()
+    opt = _opt(model)
+
+    def loop():
+        for step in range(2):
+            if not (step == 1 and rank == world - 1 and world > 1):
+                _backward(model, step, rank)
+            opt.step()
+            opt.zero_grad()
+
+    _expect_lockstep_error(rank, world, loop, "after 0 synchronised backward passes")
 
 
 def _before_step(kind, model, opt, scaler):
@@ -474,7 +512,8 @@ CASES = [
     batch_skipped_after_caught_exception,
     accumulation_without_no_sync_is_lockstep,
     every_rank_drops_a_batch,
-    a_rank_without_backward_contributes_zeros,
+    extra_step_on_one_rank,
+    a_rank_without_batch_backpropagates_a_zero_loss,
     step_skipped_while_others_clip,
     step_skipped_while_others_take_grad_norm,
     step_skipped_while_others_clip_through_torch,
