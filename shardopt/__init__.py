@@ -1,4 +1,11 @@
-"""shardopt: ZeRO-sharded fused multi-tensor optimizers for PyTorch (CPU and CUDA kernels)."""
+"""shardopt: ZeRO-sharded fused multi-tensor optimizers for PyTorch (CPU and CUDA kernels).
+
+``shardopt.checkpoint`` and ``shardopt.integrations`` are imported on first use, so
+``import shardopt`` then ``shardopt.checkpoint.save(...)`` works as written and importing shardopt
+imports no training framework.
+"""
+
+import importlib
 
 from shardopt._version import __version__
 from shardopt.kernels import cuda_available
@@ -35,3 +42,12 @@ __all__ = [
     "__version__",
     "cuda_available",
 ]
+
+#: subpackages imported on first attribute access (PEP 562)
+_LAZY = ("checkpoint", "integrations")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return importlib.import_module(f"shardopt.{name}")
+    raise AttributeError(f"module 'shardopt' has no attribute {name!r}")

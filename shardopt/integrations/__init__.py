@@ -13,6 +13,17 @@
 See docs/integrations.md.
 """
 
+import importlib
+
 from shardopt.integrations._owners import owners_of, unwrap_ddp
 
 __all__ = ["owners_of", "unwrap_ddp"]
+
+#: the framework submodules, imported (with their framework) on first attribute access
+_FRAMEWORKS = ("accelerate", "lightning", "transformers")
+
+
+def __getattr__(name: str):
+    if name in _FRAMEWORKS:
+        return importlib.import_module(f"shardopt.integrations.{name}")
+    raise AttributeError(f"module 'shardopt.integrations' has no attribute {name!r}")
