@@ -75,16 +75,48 @@ def consolidated_state_dict(path: str | os.PathLike) -> tuple[dict[str, Any], di
     return {"state": state, "param_groups": groups}, model
 
 
+def _same_dir(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _refuse_inside(checkpoint: Path, out: Path) -> None:
+    """Raises CheckpointError when ``out``, symlinks followed, is the checkpoint directory or lies
+    inside it: writing there would replace the files being read (``metadata.json``, a rank file)
+    or add strays to the checkpoint. Directories are compared by device and inode, so a bind
+    mount or a second path to the same directory is caught too."""
+    try:
+        root = checkpoint.stat()
+        target = out.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise CheckpointError(f"{out}: cannot resolve the output path: {e}") from e
+    for place in (target, *target.parents):
+        try:
+            st = place.stat()
+        except OSError:
+            continue  # not created yet
+        if _same_dir(st, root):
+            raise CheckpointError(
+                f"{out}: is inside the checkpoint being read ({checkpoint}"
+                f"{'' if place == target else f', as {target}'}); writing there would overwrite "
+                "or add to it: give an output path outside the checkpoint directory"
+            )
+
+
 def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
     """Writes the consolidated optimizer state dict to ``out`` (and the model's, if saved, to
-    ``<out stem>.model.pt``); returns the files written.
+    ``<out stem>.model.pt``); returns the files written. Each file is written to a temporary
+    name and renamed into place, so an existing file is replaced whole or not at all.
 
     Raises:
         CheckpointError: a bad checkpoint (see ``shardopt.checkpoint.load``), ``out`` a
-            directory, or a path that cannot be written (the OS error; a full disk named).
+            directory, ``out`` or the model's file inside the checkpoint directory (symlinks
+            followed), or a path that cannot be written (the OS error; a full disk named).
     """
-    sd, model = consolidated_state_dict(path)
     out = Path(out)
+    sd, model = consolidated_state_dict(path)
+    model_out = out.with_name(out.stem + ".model.pt")
+    for target in (out, model_out) if model is not None else (out,):
+        _refuse_inside(Path(path), target)
     if out.is_dir():
         raise CheckpointError(f"{out}: is a directory; give the path of the file to write")
     try:
@@ -94,7 +126,6 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
     written = [out]
     fmt.atomic_write(out, lambda f: torch.save(sd, f))
     if model is not None:
-        model_out = out.with_name(out.stem + ".model.pt")
         fmt.atomic_write(model_out, lambda f: torch.save(model, f))
         written.append(model_out)
     return written

@@ -102,14 +102,37 @@ def save_tensors(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
     return {"sha256": sha256(path), "bytes": path.stat().st_size}
 
 
+#: what ``unreachable`` says of a path that is not there at all (no dangling link either)
+MISSING = "missing"
+
+
+def unreachable(path: Path) -> str | None:
+    """Why ``path`` cannot be opened: ``MISSING``, "a symlink loop", "a dangling symlink to
+    ...", or the OS error; None when it can (``Path.exists`` says False to all of these)."""
+    try:
+        path.stat()
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop (it cannot be followed)"
+        if e.errno == errno.ENOENT and path.is_symlink():
+            return f"a dangling symlink to {os.readlink(path)}, which does not exist"
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return MISSING
+        return f"unreadable: {e.strerror or e}"
+
+
 def verify_file(directory: Path, name: str, metadata: dict[str, Any]) -> Path:
     """Checks that a listed file exists and matches its size and checksum."""
     path = Path(directory) / name
     entry = metadata["files"].get(name)
     if entry is None:
         raise CheckpointError(f"{path}: not listed in {METADATA}")
-    if not path.exists():
+    problem = unreachable(path)
+    if problem == MISSING:
         raise CheckpointError(f"{path}: missing file (listed in {METADATA})")
+    if problem is not None:
+        raise CheckpointError(f"{path}: cannot be read: it is {problem} (listed in {METADATA})")
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise CheckpointError(

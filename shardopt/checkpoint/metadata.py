@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shardopt.checkpoint.format import METADATA, CheckpointError, atomic_write
+from shardopt.checkpoint.format import METADATA, MISSING, CheckpointError, atomic_write, unreachable
 
 FORMAT = "shardopt-checkpoint"
 VERSION = 2  # 2: metadata.json carries its own checksum
@@ -194,13 +194,21 @@ def read_metadata(directory: Path) -> dict[str, Any]:
     malformed checkpoints."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise CheckpointError(f"{directory}: no such checkpoint directory")
+        problem = unreachable(directory)
+        if problem is None:
+            raise CheckpointError(f"{directory}: not a directory (a checkpoint is a directory)")
+        if problem == MISSING:
+            raise CheckpointError(f"{directory}: no such checkpoint directory")
+        raise CheckpointError(f"{directory}: the checkpoint directory is {problem}")
     path = directory / METADATA
-    if not path.exists():
+    problem = unreachable(path)
+    if problem == MISSING:
         raise CheckpointError(
             f"{directory}: incomplete checkpoint: {METADATA} is missing (the save was interrupted "
             "or is still running); use an earlier checkpoint"
         )
+    if problem is not None:
+        raise CheckpointError(f"{path}: cannot be read: it is {problem}")
     try:
         metadata = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:

@@ -226,3 +226,82 @@ def test_load_names_the_bad_entry(saved, tmp_path):
     finally:
         os.environ.pop("SHARDOPT_TEST_CKPT_BAD", None)
     assert err is None, err
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_consolidate_refuses_output_inside_the_checkpoint(saved, tmp_path):
+    """An output path that is, or resolves (symlinks followed) to, a file inside the checkpoint
+    being read is refused with one error line and exit status 2, and the checkpoint is left
+    byte for byte as it was (before: metadata.json or a rank file overwritten, exit 0)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(saved / "w2", ck)
+    before = _snapshot(ck)
+    rank_file = next(n for n in before if n.startswith("rank"))
+    (tmp_path / "link-to-metadata.pt").symlink_to(ck / meta.METADATA)
+    (tmp_path / "ck-link").symlink_to(ck)
+    (tmp_path / "elsewhere.model.pt").symlink_to(ck / "model.pt")  # the model's companion file
+    outputs = [
+        ck / meta.METADATA,
+        ck / rank_file,
+        ck / "consolidated.pt",
+        ck / "sub" / "consolidated.pt",
+        tmp_path / "link-to-metadata.pt",
+        tmp_path / "ck-link" / meta.METADATA,
+        tmp_path / "elsewhere.pt",
+    ]
+    for out in outputs:
+        res = _cli("consolidate", ck, out)
+        assert res.returncode == 2, (out, res.returncode, res.stderr)
+        assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr, res.stderr
+        assert "inside the checkpoint" in res.stderr, res.stderr
+        assert _snapshot(ck) == before, out
+        with pytest.raises(CheckpointError, match="inside the checkpoint"):
+            checkpoint.consolidate(ck, out)
+        assert _snapshot(ck) == before, out
+    # beside the checkpoint is fine, and the checkpoint still loads as before
+    res = _cli("consolidate", ck, tmp_path / "ck.pt")
+    assert res.returncode == 0, res.stderr
+    assert _snapshot(ck) == before
+    sd, _ = checkpoint.consolidated_state_dict(ck)
+    torch.testing.assert_close(torch.load(tmp_path / "ck.pt", weights_only=True), sd)
+
+
+def test_unreadable_links_are_not_called_missing(saved, tmp_path):
+    """A metadata.json (or rank file, or checkpoint directory) that is a symlink loop or a dangling
+    symlink is reported as such, not as missing (the save interrupted): one error line, exit 2."""
+    cases = {}
+    loop = tmp_path / "loop-meta"
+    shutil.copytree(saved / "w2", loop)
+    (loop / meta.METADATA).unlink()
+    (loop / meta.METADATA).symlink_to(loop / "other.json")
+    (loop / "other.json").symlink_to(loop / meta.METADATA)
+    cases[loop] = ("symlink loop", "incomplete checkpoint")
+    dangling = tmp_path / "dangling-meta"
+    shutil.copytree(saved / "w2", dangling)
+    (dangling / meta.METADATA).unlink()
+    (dangling / meta.METADATA).symlink_to(tmp_path / "gone.json")
+    cases[dangling] = ("dangling symlink", "incomplete checkpoint")
+    rank = tmp_path / "loop-rank"
+    shutil.copytree(saved / "w2", rank)
+    name = next(p.name for p in rank.iterdir() if p.name.startswith("rank"))
+    (rank / name).unlink()
+    (rank / name).symlink_to(rank / name)
+    cases[rank] = ("symlink loop", "missing file")
+    (tmp_path / "loop-dir").symlink_to(tmp_path / "loop-dir")
+    cases[tmp_path / "loop-dir"] = ("symlink loop", "no such checkpoint directory")
+    for path, (message, wrong) in cases.items():
+        for command in (["inspect", path], ["consolidate", path, tmp_path / "out.pt"]):
+            if command[0] == "inspect" and path == rank:
+                out = _cli(*command)  # inspect lists the damaged file and exits 1
+                assert out.returncode == 1 and message in out.stdout, out.stdout
+                assert wrong not in out.stdout, out.stdout
+                continue
+            out = _cli(*command)
+            assert out.returncode == 2, (path.name, command[0], out.stderr)
+            assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+            assert message in out.stderr and wrong not in out.stderr, (path.name, out.stderr)
+        with pytest.raises(CheckpointError, match=message):
+            checkpoint.consolidated_state_dict(path)
