@@ -57,6 +57,18 @@ def _number(kind: type, low: float, inclusive: bool) -> Callable[[str], Any]:
 
 
 positive_int = _number(int, 0, inclusive=False)
+
+
+def offload_fraction(text: str) -> float | str:
+    """``--offload``'s value: "auto" or a fraction in (0, 1]."""
+    if text == "auto":
+        return text
+    value = _number(float, 0, inclusive=False)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1] or 'auto', got {text}")
+    return value
+
+
 nonnegative_int = _number(int, 0, inclusive=True)
 positive_float = _number(float, 0.0, inclusive=False)
 nonnegative_float = _number(float, 0.0, inclusive=True)
@@ -112,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["fp32", "bf16", "fp16", "scaled_fp16", "int8"],
         default=None,
         help="how DistributedFusedAdam stores its moments (default fp32; docs/api.md)",
+    )
+    g.add_argument(
+        "--offload",
+        type=offload_fraction,
+        nargs="?",
+        const=1.0,
+        default=None,
+        metavar="FRACTION",
+        help="keep masters and optimizer state in CPU memory (shardopt.CPUOffload): all of the "
+        "shard, a FRACTION in (0, 1], or 'auto' (what does not fit on the GPU); docs/offload.md",
     )
     g.add_argument(
         "--hsdp",
@@ -198,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.baseline == "ddp" or args.optimizer != "adam"
     ):
         parser.error("--state-format applies to the ZeRO Adam optimizer (--optimizer adam)")
+    if args.offload is not None and args.baseline == "ddp":
+        parser.error("--offload offloads the ZeRO optimizer's state; not with --baseline ddp")
     if args.shard_size is not None and not args.hsdp:
         parser.error("--shard-size needs --hsdp")
     if args.hsdp and args.shard_size is None and "LOCAL_WORLD_SIZE" not in os.environ:

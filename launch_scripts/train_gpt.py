@@ -112,8 +112,10 @@ def train(args: argparse.Namespace, env: Env) -> dict[str, Any]:
             f"final: train loss {final_train:.4f} | val loss {final_val:.4f}{gap} | "
             f"{log['final']['tokens_per_s'] or 0:,.0f} tokens/s"
         )
-        save_outputs(args.out_dir, log, trainer.model)
-        print(f"wrote {args.out_dir}/{{final_model.pt,log.json,loss.png}}")
+        missing = save_outputs(args.out_dir, log, trainer.model)
+        print(f"wrote {args.out_dir}/{{final_model.pt,log.json{'' if missing else ',loss.png'}}}")
+        if missing:
+            print(missing)
     return log
 
 

@@ -73,13 +73,17 @@ def banner(log: dict[str, Any], start_step: int) -> str:
     return "\n".join(lines)
 
 
-def save_outputs(out_dir: str, log: dict, model: GPT) -> None:
-    """final_model.pt (the model's state dict), log.json and loss.png."""
+def save_outputs(out_dir: str, log: dict, model: GPT) -> str | None:
+    """final_model.pt (the model's state dict), log.json and loss.png; returns why the plot was
+    not drawn (matplotlib, of the ``train`` extra, is not installed), or None."""
     os.makedirs(out_dir, exist_ok=True)
     torch.save(model.state_dict(), os.path.join(out_dir, "final_model.pt"))
     with open(os.path.join(out_dir, "log.json"), "w") as f:
         json.dump(log, f, indent=1)
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        return "loss.png not drawn: matplotlib is not installed (pip install 'shardopt[train]')"
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,6 +102,7 @@ def save_outputs(out_dir: str, log: dict, model: GPT) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "loss.png"), dpi=120)
     plt.close(fig)
+    return None
 
 
 class Progress:
@@ -113,11 +118,14 @@ class Progress:
         self.main = main
         self.postfix: dict[str, str] = {}
         self.bar = None
-        if main and bar and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
         self.total = total
+        if main and bar and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:  # log lines instead (tqdm is in the ``train`` extra)
+                self.say("no progress bar: tqdm is not installed (pip install 'shardopt[train]')")
+                return
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
     def say(self, text: str) -> None:
         if not self.main:

@@ -83,6 +83,8 @@ def build_optimizer(args: argparse.Namespace, model: GPT) -> torch.optim.Optimiz
         raise SystemExit(f"this shardopt has no {name}; run with --baseline ddp")
     if args.state_format is not None:
         kwargs["state_format"] = args.state_format
+    if args.offload is not None:
+        kwargs["offload"] = shardopt.CPUOffload(fraction=args.offload)
     if args.hsdp:
         from shardopt.zero import hsdp_groups
 

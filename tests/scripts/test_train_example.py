@@ -64,6 +64,14 @@ def test_zero_matches_ddp(uninterrupted):
     torch.testing.assert_close(uninterrupted["zero"][1], uninterrupted["ddp"][1], **TOLERANCE)
 
 
+def test_offload_matches_zero(uninterrupted, tmp_path):
+    """``--offload`` (shardopt.CPUOffload, all of the shard): the same bits as without it on a
+    CPU job (docs/offload.md)."""
+    offloaded = torchrun(tmp_path, "--offload")
+    for name, weight in uninterrupted["zero"][1].items():
+        assert torch.equal(offloaded[name], weight), name
+
+
 @pytest.mark.parametrize("mode", ["zero", "ddp"])
 def test_resume_matches_uninterrupted(uninterrupted, tmp_path, mode):
     ckpt, expected = uninterrupted[mode]
@@ -108,6 +116,8 @@ def _write(path: Path, content: bytes) -> str:
         (["--ckpt-interval", "5"], "--ckpt-interval needs --ckpt-dir"),
         (["--resume"], "--resume without a path needs --ckpt-dir"),
         (["--resume", "/nonexistent/step_000003"], "not a complete checkpoint folder"),
+        (["--offload", "1.5"], "must be a fraction in (0, 1] or 'auto'"),
+        (["--offload", "--baseline", "ddp"], "--offload offloads the ZeRO optimizer's state"),
         (["--data", "/nonexistent/corpus.txt"], "data file not found"),
         (["--data", "{empty_txt}"], "is empty"),
         (["--data", "{empty_bin}"], "is empty"),
@@ -154,3 +164,22 @@ def test_progress_in_a_log_file_is_one_line_per_log_interval(capsys, monkeypatch
     quiet = train_report.Progress(main=False, bar=True, total=6, initial=0)
     quiet.logged(3, loss="1")
     assert capsys.readouterr().out == ""
+
+
+def test_runs_without_the_train_extra(tmp_path, capsys, monkeypatch):
+    """Without tqdm and matplotlib (the ``train`` extra) the example logs lines instead of a bar
+    and writes its model and log without the plot, saying so, instead of crashing."""
+    import train_report
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    progress = train_report.Progress(main=True, bar=True, total=2, initial=0)
+    assert progress.bar is None
+    progress.logged(1, loss="1.0000")
+    assert "tqdm is not installed" in capsys.readouterr().out
+    model = torch.nn.Linear(2, 2)
+    missing = train_report.save_outputs(str(tmp_path), {"history": {}}, model)
+    assert missing is not None and "matplotlib is not installed" in missing
+    assert (tmp_path / "final_model.pt").exists() and (tmp_path / "log.json").exists()
+    assert not (tmp_path / "loss.png").exists()
