@@ -2,7 +2,8 @@
 
 - ``fraction`` (``"auto"`` or a number), ``overlap_backward`` and offload itself differing
   between ranks: a ValueError naming the setting on every rank, before any collective that
-  depends on them (``fraction="auto"`` runs collectives the other ranks would skip); no hang.
+  depends on them (``fraction="auto"`` runs collectives the other ranks would skip), also
+  between HSDP replicas; no hang.
 - ``staging_slots`` and ``threads`` have upper bounds (a ValueError naming the field and the
   bound on every rank, also when only one rank got it wrong), not an allocation that grows
   until the kernel kills the process or an overflow deep in torch.
@@ -64,6 +65,16 @@ def settings_differ(rank, world):
     plain, _ = _history("Adam", BF16, None, rank)
     tuned, _ = _history("Adam", BF16, mine, rank)
     _same(plain, tuned, "staging_slots/pin_memory per rank")
+
+
+def hsdp_settings_differ(rank, world):
+    """HSDP, two shard groups of two: each group agrees within itself, the replicas differ
+    (ranks 2-3 ask for auto): every rank raises, none waits in a collective another skips."""
+    groups = shardopt.zero.hsdp_groups(2)._asdict()
+    offload = shardopt.CPUOffload(fraction="auto" if rank >= 2 else 0.5)
+    with pytest.raises(ValueError, match="CPUOffload.fraction: rank 0 has 0.5, rank 2 has 'auto'"):
+        _opt("Adam", _model(torch.float32), offload, **groups)
+    _opt("Adam", _model(torch.float32), shardopt.CPUOffload(fraction=0.5), **groups)
 
 
 def bounds(rank, world):
@@ -191,6 +202,7 @@ PLAN = [
             partial_fraction_world3,
         ],
     ),
+    (4, [hsdp_settings_differ]),
 ]
 
 
