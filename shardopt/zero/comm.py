@@ -7,6 +7,7 @@ gloo gets a separate input buffer for all-gather (its input may not alias the ou
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
+_log = logging.getLogger("shardopt")
 
 #: seconds a rank waits in ``arrive`` for the others (0 turns the check off)
 ARRIVAL_TIMEOUT_ENV = "SHARDOPT_ARRIVAL_TIMEOUT"
@@ -26,11 +28,22 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def require_initialized(owner: str) -> None:
-    if not dist.is_available() or not dist.is_initialized():
+    """torch.distributed initialised, or, in a single process (no launcher's ``WORLD_SIZE``
+    above 1), a world of one started here, as DeepSpeed does for ``python train.py``: a
+    distributed optimizer then runs in one process (CPU offload on one GPU) with no launcher and
+    no ``init_process_group`` of the user's. Launched processes must initialise themselves."""
+    if not dist.is_available():
+        raise RuntimeError(f"{owner} needs torch.distributed, which this torch build lacks")
+    if dist.is_initialized():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError(
             f"{owner} needs torch.distributed: call torch.distributed.init_process_group() first "
             "(torchrun sets the environment; use backend 'nccl' on GPUs, 'gloo' on CPU)"
         )
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    _log.info("%s: no process group: started a world of one process (%s)", owner, backend)
 
 
 def rank(group: ProcessGroup | None) -> int:
