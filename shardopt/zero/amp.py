@@ -143,7 +143,17 @@ class AmpClip:
             self._sumsq = total
         return self._sumsq
 
+    def check_open(self, what: str) -> None:
+        """Raises after ``close()``: the hooks are gone, so grads land in ``.grad`` and the
+        optimizer would blame another writer (a DDP wrapper) for them."""
+        if self.grad_sync.closed:
+            raise RuntimeError(
+                f"{self.sharded.owner}: {what}() after close(): the optimizer no longer syncs "
+                "grads (its params are plain tensors again); build a new one"
+            )
+
     def grad_norm(self) -> torch.Tensor:
+        self.check_open("grad_norm")
         return (self.global_sumsq().sqrt() * self.grad_factor).reshape(())
 
     def clip(self, optimizer, max_norm: float, grad_scaler=None) -> torch.Tensor:
@@ -151,6 +161,7 @@ class AmpClip:
         GradScaler is known (``grad_scaler``, else the last one that unscaled this optimizer or
         that a step received): the norm of the grads ``step()`` clips, as
         ``torch.nn.utils.clip_grad_norm_`` returns it after ``scaler.unscale_(optimizer)``."""
+        self.check_open("clip_grad_norm")
         self.max_norm = float(max_norm)
         norm = self.grad_norm()
         scaler = grad_scaler if grad_scaler is not None else self._scaler

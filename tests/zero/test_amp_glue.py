@@ -6,6 +6,7 @@ On gloo at worlds 1 and 2, against DDP + torch.optim.AdamW + torch's own GradSca
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -242,10 +243,37 @@ def clip_every_import_form(rank, world):
     opt.close()
 
 
+def clip_after_close(rank, world):
+    """clip_grad_norm() / grad_norm() after close() say the optimizer was closed (not that a DDP
+    wrapper wrote .grad), with a backward in between and without one; torch's clip on the
+    released params is torch's own again."""
+    for backward in (True, False):
+        model = _net()
+        opt = shardopt.DistributedFusedAdam(model.parameters(), lr=0.01)
+        _loss(model, 0, rank).backward()
+        opt.step()
+        opt.close()
+        if backward:
+            _loss(model, 1, rank).backward()
+        for call, name in (
+            (functools.partial(opt.clip_grad_norm, 1.0), "clip_grad_norm"),
+            (opt.grad_norm, "grad_norm"),
+        ):
+            with pytest.raises(RuntimeError, match=rf"{name}\(\) after close\(\)") as info:
+                call()
+            assert "DistributedDataParallel" not in str(info.value)
+        if backward:
+            grads = [p.grad.clone() for p in model.parameters()]
+            expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_clip_every_import_form(world):
-    results = run_cases([clip_every_import_form], world, timeout=300)
-    assert results["clip_every_import_form"] is None, results["clip_every_import_form"]
+    results = run_cases([clip_every_import_form, clip_after_close], world, timeout=300)
+    errors = {k: v for k, v in results.items() if v is not None}
+    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
 
 
 @pytest.mark.parametrize("world", [1, 2])
