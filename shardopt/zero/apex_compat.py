@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from shardopt.zero import comm, sharded_params
+from shardopt.zero import comm, foreign_args, sharded_params
 from shardopt.zero.settings import check_settings
 
 #: Apex keyword -> its default (every one accepted by the distributed classes)
@@ -63,7 +63,7 @@ def resolve(owner: str, process_group, apex: dict[str, Any]) -> dict[str, Any]:
     ``pipeline_size`` for the engine."""
     unknown = set(apex) - set(APEX_DEFAULTS)
     if unknown:
-        raise TypeError(f"{owner}.__init__() got unexpected keyword arguments {sorted(unknown)}")
+        raise foreign_args.unknown_keywords_error(owner, unknown)
     opts = {**APEX_DEFAULTS, **apex}
     pipeline = opts["pipeline_size"]
     if not isinstance(pipeline, int) or pipeline < 1:

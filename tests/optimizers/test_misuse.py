@@ -341,6 +341,21 @@ def dist_bucket_cap_and_remainders(rank, world):
     opt.close()
 
 
+def dist_foreign_keywords_name_their_counterparts(rank, world):
+    """A DeepSpeed config key or a ZeroRedundancyOptimizer argument passed as a keyword is a
+    TypeError naming shardopt's counterpart; an unknown keyword is a plain one."""
+    for kw, counterpart in (
+        ({"overlap_comm": True}, "overlap_grad_sync=True, the default"),
+        ({"contiguous_gradients": True}, "transient per-bucket buffers"),
+        ({"allgather_bucket_size": 5e8}, "bucket_cap_mb"),
+        ({"optimizer_class": torch.optim.AdamW}, "ZeroRedundancyOptimizer"),
+    ):
+        with pytest.raises(TypeError, match=rf"{next(iter(kw))}.*\n.*{counterpart}"):
+            shardopt.DistributedFusedAdam(_model().parameters(), **kw)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['colour'\]$"):
+        shardopt.DistributedFusedAdam(_model().parameters(), colour=1)
+
+
 ARRIVAL_S = 3.0  # SHARDOPT_ARRIVAL_TIMEOUT in these cases (default 30 s)
 
 
@@ -429,6 +444,7 @@ DIST_CASES = [
     dist_hyperparams_differ_at_construction,
     dist_hyperparams_differ_at_load,
     dist_bucket_cap_and_remainders,
+    dist_foreign_keywords_name_their_counterparts,
 ]
 
 
