@@ -3,7 +3,8 @@ shards in layout.py).
 
 Per key:
   - ``param_space``: the params themselves, back to back in the key space (params are rebound to
-    views of it, so an all-gather writes straight into the params);
+    its memory, so an all-gather writes straight into the params; see Note: a param's own
+    storage);
   - ``sync_space``: the all-gather buffer when ``param_sync_dtype`` differs from the param dtype
     (else the same tensor as ``param_space``);
   - grad buckets: TRANSIENT per-bucket gradient buffers in the grad-sync dtype, allocated when a
@@ -56,6 +57,16 @@ from shardopt.zero.state_storage import Storage
 #: of a bucket's update outside its kernel call went from 0.17-0.27 ms to 0.07 ms, the whole
 #: update from 0.29-0.43 to 0.26-0.32 ms: the GIL wait when the kernel call returns is left.
 VIEWS_KEPT = 4096
+
+#: Note: a param's own storage. Savers that deduplicate tensors by storage take views of one
+#: storage for tied weights: with the params plain views of ``param_space``, Accelerate's
+#: ``save_state`` (safetensors) wrote one param per key ("Removed shared tensor ... while
+#: saving") and its ``load_state`` failed, safetensors' ``save_model`` refused to save, and
+#: transformers' ``save_pretrained`` cloned every param first. So a param is bound to ``torch.from_dlpack`` of
+#: its view: the same memory (the optimizer and the all-gathers still write the params in place),
+#: a storage object of exactly the param's bytes, and the DLPack deleter keeps ``param_space``
+#: alive. No copy, no extra memory; ``torch.save`` writes each param's bytes (not the whole
+#: buffer once). Tested in tests/integrations/test_integrations_checkpoint.py.
 
 
 def _view(t: torch.Tensor, r: Range) -> torch.Tensor:
@@ -229,7 +240,10 @@ class KeyBuffers:
     # -- views -----------------------------------------------------------------------------------
 
     def param_view(self, param: int, shape: torch.Size) -> torch.Tensor:
-        return _view(self.param_space, self.layout.space_ranges[param]).view(shape)
+        """The tensor ``param`` is bound to: its range of ``param_space``, as a storage of its
+        own (see Note: a param's own storage)."""
+        view = _view(self.param_space, self.layout.space_ranges[param]).view(shape)
+        return torch.from_dlpack(view)
 
     def bucket(self, space: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         return _view(space, bucket.space_range)

@@ -62,6 +62,8 @@ def _module_class():
             self.norms: list[torch.Tensor] = []
             self.synced: list[bool] = []  # per micro-batch: did its backward sync the grads?
             self.kept: list = []  # optimizers kept alive by the module (self.opt = ... style)
+            self.at_start = None  # with record_start: (params, optimizer state) at fit start
+            self.record_start = False
 
         def forward(self, x):
             return self.b(torch.tanh(self.a(x)))
@@ -88,6 +90,9 @@ def _module_class():
             gc.collect()
             wrapped = isinstance(self.trainer.strategy.model, DistributedDataParallel)
             assert wrapped != self.use_shardopt, "ShardoptStrategy wrapped the model in DDP"
+            if self.record_start:  # after ckpt_path was loaded; state_dict() on every rank
+                params = [p.detach().clone() for p in self.parameters()]
+                self.at_start = (params, self.optimizers().optimizer.state_dict())
 
         def on_after_backward(self):
             if self.use_shardopt:  # False inside the strategy's block_backward_sync
@@ -218,6 +223,34 @@ def checkpoint_resume(out):
     _close(norms, ref_norms[2:], "grad norms (resumed by DDP + AdamW)")
 
 
+def checkpoint_callback_resume(out):
+    """ModelCheckpoint (every epoch, every rank calls it) while fitting 2 epochs; a new Trainer
+    resumes from the epoch-1 file: the weights and optimizer state it starts from are the saved
+    ones exactly, and it ends where the uninterrupted run ended."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    folder = os.path.join(out, "callback")
+    every_epoch = ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1)
+    got, _, _, _ = _fit(True, 2, enable_checkpointing=True, callbacks=[every_epoch])
+    ref, ref_norms = _RUNS["uninterrupted"]
+    _close(got, ref, "params (with ModelCheckpoint)", rtol=0, atol=0)
+    path = os.path.join(folder, "epoch=0.ckpt")
+    ckpt = torch.load(path, weights_only=False)
+    model = _module_class()(True)
+    model.record_start = True
+    got, norms, _, trainer = _fit(True, 2, ckpt_path=path, model=model)
+    assert trainer.global_step == 4
+    params, state = model.at_start
+    _close(params, list(ckpt["state_dict"].values()), "weights read back", rtol=0, atol=0)
+    saved = ckpt["optimizer_states"][0]
+    assert state["param_groups"] == saved["param_groups"]
+    for i, entry in saved["state"].items():
+        for name, t in entry.items():
+            assert torch.equal(state["state"][i][name], t), f"optimizer state {i} {name}"
+    _close(got, ref, "params (resumed from ModelCheckpoint)", rtol=1e-5, atol=1e-7)
+    _close(norms, ref_norms[2:], "grad norms (resumed from ModelCheckpoint)", rtol=1e-5, atol=1e-7)
+
+
 def refit_same_module(out):
     """Two fits of one module that keeps its optimizers alive: the first fit's optimizer still
     has its grad hooks on the params; the strategy closes it at the second setup, and the two
@@ -283,6 +316,7 @@ CASES = [
     amp_fp16_matches_ddp,
     manual_optimization,
     checkpoint_resume,
+    checkpoint_callback_resume,
     refit_same_module,
     docs_example,
     misuse,
