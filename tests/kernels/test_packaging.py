@@ -6,6 +6,7 @@ The wheel itself (sdist -> wheel -> clean venv) is checked by `make dist-check` 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -105,6 +106,40 @@ def test_cpu_capability_override(monkeypatch):
         cpu_isa.cpu_capability()
     monkeypatch.delenv("SHARDOPT_CPU_CAPABILITY")
     assert cpu_isa.cpu_capability() == "avx2"
+
+
+def _python_m_shardopt(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardopt"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"SHARDOPT_CPU_CAPABILITY": "sse9"}, "SHARDOPT_CPU_CAPABILITY='sse9': expected one of"),
+        (
+            {"SHARDOPT_CPU_CAPABILITY": "avx2", "SHARDOPT_SIMULATE_CPU_LEVEL": "default"},
+            "SHARDOPT_CPU_CAPABILITY=avx2 but this CPU supports up to default",
+        ),
+    ],
+)
+def test_python_m_shardopt_bad_capability_is_one_line(env, message):
+    """``python -m shardopt`` with a bad SHARDOPT_CPU_CAPABILITY: one ``error: ...`` line on
+    stderr naming it and a non-zero exit, no traceback; a good one prints the modules."""
+    if not build._is_x86() and "SHARDOPT_SIMULATE_CPU_LEVEL" in env:
+        pytest.skip("x86-64 levels only")
+    out = _python_m_shardopt(env)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stdout == ""
+    assert out.stderr.startswith("error: ") and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    good = _python_m_shardopt({"SHARDOPT_CPU_CAPABILITY": "default"})
+    assert good.returncode == 0 and "CPU kernels: shardopt._C " in good.stdout, good.stderr
 
 
 def test_a_module_built_for_another_torch_names_the_mismatch():
