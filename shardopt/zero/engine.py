@@ -75,6 +75,7 @@ from shardopt.zero.param_sync import ParamSync
 from shardopt.zero.settings import (
     DEFAULT_BUCKET_CAP_MB,
     cap_chosen,
+    check_plain_params,
     check_remainders,
     check_settings,
 )
@@ -128,6 +129,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         error, storage, ub, offload_settings, placement = None, None, None, None, None
         try:  # a setting wrong on one rank only must fail on every rank, not hang the others
             check_param_dtypes(self.param_groups, name)
+            check_plain_params(name, self.param_groups)
             check_settings(
                 name, grad_sync_dtype, param_sync_dtype, capturable, overlap_param_sync,
                 bucket_cap_mb,

@@ -116,6 +116,25 @@ def check_settings(
         )
 
 
+def check_plain_params(name: str, param_groups: list[dict]) -> None:
+    """DTensor params (FSDP2's ``fully_shard``, tensor parallelism) are refused naming the way
+    out, instead of torch's error from the first collective on them."""
+    from torch.distributed.tensor import DTensor
+
+    index = 0
+    for group in param_groups:
+        for p in group["params"]:
+            if isinstance(p, DTensor):
+                raise TypeError(
+                    f"{name}: param {index} is a DTensor (placements {tuple(p.placements)}: "
+                    "sharded by FSDP2's fully_shard or by tensor parallelism); a DistributedFused* "
+                    "optimizer shards the optimizer state itself, over plain params: remove "
+                    "fully_shard (the model stays a plain nn.Module), or keep FSDP2 and use the "
+                    "single-process shardopt.FusedAdam (it takes DTensor params)"
+                )
+            index += 1
+
+
 def check_remainders(name: str, param_groups: list[dict], param_sync_dtype) -> None:
     """``store_param_remainders=True`` only means something for bf16 params gathered in bf16
     (an fp32 param is its own master, an fp16 one has no bf16 top half): refused where it would

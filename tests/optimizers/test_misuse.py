@@ -356,6 +356,17 @@ def dist_foreign_keywords_name_their_counterparts(rank, world):
         shardopt.DistributedFusedAdam(_model().parameters(), colour=1)
 
 
+def dist_fsdp2_params_are_refused_with_the_way_out(rank, world):
+    """Params sharded by FSDP2's fully_shard (DTensors) kept with a DistributedFused* class: a
+    TypeError on every rank naming FSDP2 and the two ways out, not torch's raw error."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model)
+    with pytest.raises(TypeError, match=r"DTensor.*fully_shard.*remove fully_shard.*FusedAdam"):
+        shardopt.DistributedFusedAdam(model.parameters())
+
+
 ARRIVAL_S = 3.0  # SHARDOPT_ARRIVAL_TIMEOUT in these cases (default 30 s)
 
 
@@ -445,6 +456,7 @@ DIST_CASES = [
     dist_hyperparams_differ_at_load,
     dist_bucket_cap_and_remainders,
     dist_foreign_keywords_name_their_counterparts,
+    dist_fsdp2_params_are_refused_with_the_way_out,
 ]
 
 
