@@ -150,8 +150,8 @@ class EarlyUpdates:
 
     def _keep(self, optimizer) -> None:
         """The early updates stay (they cannot be undone): waits for them, then all-gathers
-        every bucket (collective), so every rank's params hold the masters, and ends the
-        iteration (its grads dropped)."""
+        every bucket (collective), so every rank's params hold the masters; the caller ends
+        the iteration."""
         self._abandon()
         optimizer.param_sync.publish_masters()
 
