@@ -6,7 +6,8 @@
 - ``shardopt.integrations.accelerate``: ``patch(accelerator)``: no DDP wrapper for models whose
   params a ``DistributedFused*`` optimizer holds, ``accelerator.no_sync``/``accumulate`` and
   ``clip_grad_norm_`` routed to the optimizer.
-- ``shardopt.integrations.transformers``: ``Trainer``, the HF Trainer with that accelerator.
+- ``shardopt.integrations.transformers``: ``Trainer``, the HF Trainer with that accelerator and
+  its checkpoints' optimizer state dict taken on every rank.
 - ``shardopt.integrations.lightning``: ``ShardoptStrategy``, Lightning's DDP strategy without the
   DDP wrapper (accumulation through ``no_sync``, clipping through ``clip_grad_norm``).
 
