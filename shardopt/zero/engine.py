@@ -253,6 +253,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self.param_sync = ParamSync(
             sharded, process_group=process_group, overlap=self.config.overlap_param_sync
         )
+        self.param_sync.finish_when_dropped(self)  # (dropped without close(): params updated)
         self.update_calls = UpdateCalls(sharded)
         # CPU offload: ``_offload_plan`` (offload_plan.OffloadPlan), the pipeline, auto's timer
         offload_auto.attach(self, offload_settings)

@@ -24,7 +24,11 @@ Note: the offloaded step
          before the next grad sync). A ``remainder`` key (bf16 params with
          int16 remainders) keeps no host copy of its params: the bucket's bf16 params come down
          into a slot of their own beside the grads, the kernel updates them there with the host
-         remainders, and they go back up.
+         remainders, and they go back up. A ``param`` key's params (fp32 params, their own
+         masters without offload) come down the same way and the host copy of its masters
+         takes them before the update, so a write into the params since the last step (also
+         through ``p.data``, which no version counter sees) holds as without offload (Note:
+         the params are the truth in engine.py; 4 B/param more down per step).
 
     Buckets may also be handed over during backward, as soon as their reduce-scatter is
     launched (see Note: updates during backward in offload_backward.py); ``step()`` then hands
@@ -127,7 +131,7 @@ class OffloadPipeline:
             out_dtype = buf.sync_space.dtype if buf.master_kind == "copy" else None
             if out_dtype is not None and not buf.out_by_copy:
                 self.out_slots[key.index] = ring(out_dtype)
-            if buf.master_kind == "remainder":  # the bf16 half of the masters, down and up
+            if buf.master_kind in ("remainder", "param"):  # (see ``_update``)
                 self.param_slots[key.index] = ring(buf.param_space.dtype)
         #: the thread that runs the offloaded updates (started by the first step)
         self.worker = OffloadWorker(device, switch_interval, cpus)
@@ -184,7 +188,7 @@ class OffloadPipeline:
 
     def _stage(self, key, bucket, shards: dict, wait=None, after=None) -> tuple:
         """The bucket's grad chunk (from ``shards``, the grad shards by key) and a remainder
-        key's bf16 params into the next slots: (the grads' slot and the params' slot or None, as
+        or param key's params into the next slots: (the grads' slot and the params' slot or None, as
         chunks of the shard; the params' slot index; the copy's event); ``wait``: the bucket's
         reduce-scatter wait, run first (with the copy stream current on CUDA, so that only this
         bucket's copy waits for it); ``after``: a CUDA event the copy waits for (the compute
@@ -398,7 +402,12 @@ class OffloadPipeline:
         if out is not None:
             buf.host_out = out
         device_master = buf.master
-        if params is not None:  # the staged bf16 half of the masters, updated in place
+        if params is not None and buf.master_kind == "param":
+            # the host master takes the params' chunk: a write through ``p.data`` since the
+            # last step holds, as where the params are the masters (Note: the params are the
+            # truth, engine.py)
+            buf.views(buf.master, [shard])[0].copy_(buf.views(params, [shard])[0])
+        elif params is not None:  # the staged bf16 half of the masters, updated in place
             buf.master = params
         try:
             restart(optimizer)
