@@ -46,6 +46,9 @@ __all__ = [
     "novograd_update",
     "sgd_update",
     "adagrad_update",
+    "Muon",
+    "muon_update",
+    "newton_schulz",
 ]
 
 Tensor = torch.Tensor
@@ -223,6 +226,58 @@ def adagrad_update(
     else:
         h.copy_(h + g * g)
         p.copy_(p - lr * (g / (torch.sqrt(h) + eps) + weight_decay * p))
+
+
+def newton_schulz(
+    u: Tensor, coefficients: Sequence[tuple[float, float, float]], eps: float
+) -> Tensor:
+    """Returns torch.optim.Muon's orthogonalization of the matrix ``u``, in ``u``'s dtype.
+
+    ``X = u / max(||u||_F, eps)`` (transposed first when tall), then per ``(a, b, c)``:
+    ``A = X Xᵀ``, ``X = a X + (b A + c A A) X``; transposed back.
+    """
+    x = u.T if u.shape[0] > u.shape[1] else u
+    x = x / torch.clamp(torch.linalg.vector_norm(x), min=eps)
+    for a, b, c in coefficients:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if u.shape[0] > u.shape[1] else x
+
+
+def muon_update(
+    p: Tensor,
+    g: Tensor,
+    buf: Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    coefficients: Sequence[tuple[float, float, float]],
+    eps: float,
+    adjust_lr_fn: str | None,
+    flatten: bool,
+) -> None:
+    """Applies one FusedMuon step to ``p`` and ``buf`` (the momentum buffer) in place.
+
+    A 2-D ``p`` is one matrix; with more dims, one matrix per index of the leading dims (the last
+    two dims are the matrix), or with ``flatten`` one ``(shape[0], rest)`` matrix (conv weights).
+    The lr's shape scale comes from that matrix: ``sqrt(max(1, A/B))`` ("original", None) or
+    ``0.2 sqrt(max(A, B))`` ("match_rms_adamw"); the decay uses the unadjusted lr.
+    """
+    buf.copy_(momentum * buf + (1 - momentum) * g)
+    u = (1 - momentum) * g + momentum * buf if nesterov else buf
+    if flatten:
+        matrices = u.reshape(1, u.shape[0], -1)
+    else:
+        matrices = u.reshape(-1, u.shape[-2], u.shape[-1])
+    rows, cols = matrices.shape[1:]
+    o = torch.stack([newton_schulz(m, coefficients, eps) for m in matrices]).reshape(p.shape)
+    if adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        ratio = math.sqrt(max(1.0, rows / cols))
+    p.copy_(p * (1 - lr * weight_decay) - lr * ratio * o)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -609,3 +664,72 @@ class Adagrad(ReferenceOptimizer):
             weight_decay=group["weight_decay"],
             adagrad_w_mode=group["adagrad_w_mode"],
         )
+
+
+class Muon(ReferenceOptimizer):
+    """FusedMuon (torch.optim.Muon's rule, Newton-Schulz in ``dtype``), with AdamW groups.
+
+    A group with ``use_muon=False`` is updated by :func:`adam_update` (FusedAdam's rule); its
+    missing hyperparameters are FusedAdam's defaults, not this class's. ``ns_coefficients`` is
+    one triple for every step or one triple per step; ``ns_dtype`` is ignored (the math is in
+    ``dtype``).
+    """
+
+    ADAM_DEFAULTS = dict(
+        lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+        weight_decay=0.0,
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Any = (3.4445, -4.7750, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        ns_dtype: Any = None,
+        flatten: bool = False,
+        *,
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn, flatten=flatten, use_muon=True,
+        )  # fmt: skip
+        entries = list(params)
+        if entries and isinstance(entries[0], dict):
+            entries = [
+                {**self.ADAM_DEFAULTS, **e} if e.get("use_muon", True) is False else e
+                for e in entries
+            ]
+        super().__init__(entries, defaults, dtype)
+
+    def _update(self, group: dict, state: dict, p: Tensor, g: Tensor, **extra: Any) -> None:
+        if not group["use_muon"]:
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            bc1, bc2 = _bias_corrections(group)
+            adam_update(
+                p, g, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
+                beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
+                bc1=bc1, bc2=bc2,
+            )  # fmt: skip
+            return
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        coefficients = group["ns_coefficients"]
+        if all(isinstance(c, (int, float)) for c in coefficients):
+            coefficients = [tuple(coefficients)] * group["ns_steps"]
+        muon_update(
+            p, g, state["momentum_buffer"], lr=float(group["lr"]),
+            weight_decay=group["weight_decay"], momentum=group["momentum"],
+            nesterov=group["nesterov"], coefficients=coefficients, eps=group["eps"],
+            adjust_lr_fn=group["adjust_lr_fn"], flatten=group["flatten"],
+        )  # fmt: skip

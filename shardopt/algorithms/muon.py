@@ -1,0 +1,165 @@
+"""Muon: hyperparameters, their checks, the logical matrices of a param, the Newton-Schulz
+iteration and the shape scale of the lr.
+
+``FusedMuon`` (shardopt/optimizers/muon.py) takes ``Hyperparams``' defaults (torch.optim.Muon's)
+and checks (torch's messages), and calls ``newton_schulz`` once per group of same-shape matrices
+(a batched ``bmm`` chain). The elementwise parts are ``torch._foreach_*`` ops in the class; there
+is no C++ kernel for Muon yet (docs/spec.md "Known gaps").
+
+Note: the logical matrices of a Muon param
+A 2-D param is one matrix (rows = ``shape[0]``, as torch). A param of more dims is a stack of
+matrices over its leading dims, ``(prod(shape[:-2]), shape[-2], shape[-1])`` (MoE experts, stacked
+layers), unless its group has ``flatten=True``: then it is one ``(shape[0], prod(shape[1:]))``
+matrix (conv weights ``(out, in*kh*kw)``). The shape scale of the lr is taken from that matrix,
+never from a flat shard or from ``shape[:2]`` of a stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardopt.algorithms import hyperparams
+from shardopt.algorithms.validation import check_hyperparams
+
+STATE_NAMES = ("momentum_buffer",)
+
+#: Keller Jordan's quintic coefficients, torch.optim.Muon's default (one triple for every step)
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+#: the dtypes Newton-Schulz may run in
+NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparams(hyperparams.Hyperparams):
+    """Muon's hyperparameters with torch.optim.Muon's defaults, in its positional order.
+
+    Attributes:
+        lr: learning rate (a float or a 1-element tensor, read as a host number each step).
+        weight_decay: decoupled decay, ``p *= 1 - lr * weight_decay`` (the unadjusted lr).
+        momentum: EMA coefficient of the momentum buffer.
+        nesterov: orthogonalize ``grad.lerp(buf, momentum)`` instead of the buffer.
+        ns_coefficients: one ``(a, b, c)`` triple used at every Newton-Schulz step, or a sequence
+            of ``ns_steps`` triples, one per step (Polar Express).
+        eps: lower clamp of each matrix's Frobenius norm before the iteration.
+        ns_steps: Newton-Schulz steps (< 100).
+        adjust_lr_fn: the shape scale of the lr: None or "original" (``sqrt(max(1, A/B))``),
+            "match_rms_adamw" (``0.2 * sqrt(max(A, B))``) for an A x B matrix.
+        ns_dtype: the dtype of the Newton-Schulz matmuls (bf16 as torch; fp32 for accuracy).
+        flatten: a param of 3 or more dims is one ``(shape[0], rest)`` matrix (conv weights)
+            instead of a stack of matrices over its leading dims.
+    """
+
+    lr: float | torch.Tensor = 1e-3
+    weight_decay: float = 0.1
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_coefficients: Any = DEFAULT_NS_COEFFICIENTS
+    eps: float = 1e-7
+    ns_steps: int = 5
+    adjust_lr_fn: str | None = None
+    ns_dtype: torch.dtype = torch.bfloat16
+    flatten: bool = False
+
+    def validate(self, owner: str) -> None:
+        """torch.optim.Muon's checks with its messages, then shardopt's own.
+
+        Raises:
+            ValueError: a negative or NaN lr, momentum or weight decay; an unknown
+                ``adjust_lr_fn``; ``ns_steps >= 100``; coefficients that are not triples, or a
+                sequence of triples whose length is not ``ns_steps``; a negative eps.
+            TypeError: an ``ns_dtype`` Newton-Schulz cannot run in.
+        """
+        check_group(self.group_defaults(), owner)
+
+
+def check_group(group: dict[str, Any], owner: str) -> None:
+    """Validates the Muon hyperparameters of one param group (see ``Hyperparams.validate``)."""
+    lr = group["lr"]
+    if torch.is_tensor(lr) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+    if not 0.0 <= group["momentum"]:
+        raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+    if group["ns_steps"] >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    coefficient_triples(group["ns_coefficients"], group["ns_steps"])
+    if group["ns_dtype"] not in NS_DTYPES:
+        raise TypeError(
+            f"{owner}: ns_dtype must be one of {[str(d) for d in NS_DTYPES]}, got "
+            f"{group['ns_dtype']!r}"
+        )
+    # eps and NaN checks as every algorithm's; nesterov needs no momentum here (torch's rule)
+    check_hyperparams({k: group[k] for k in ("eps", "weight_decay", "momentum")}, owner)
+
+
+def coefficient_triples(coefficients: Any, ns_steps: int) -> list[tuple[float, float, float]]:
+    """The ``(a, b, c)`` of each of the ``ns_steps`` Newton-Schulz steps.
+
+    Raises:
+        ValueError: neither one triple nor a sequence of ``ns_steps`` triples.
+    """
+    if len(coefficients) > 0 and all(isinstance(c, numbers.Real) for c in coefficients):
+        if len(coefficients) != 3:
+            raise ValueError("Coefficients must be a tuple of exactly 3 values")
+        return [tuple(float(c) for c in coefficients)] * ns_steps
+    triples = [tuple(float(c) for c in triple) for triple in coefficients]
+    if any(len(t) != 3 for t in triples) or len(triples) != ns_steps:
+        raise ValueError(
+            "Coefficients must be a tuple of exactly 3 values, or a sequence of ns_steps "
+            f"({ns_steps}) such triples, one per step; got {coefficients!r}"
+        )
+    return triples
+
+
+def matrix_shape(shape: Sequence[int], flatten: bool) -> tuple[int, int, int]:
+    """``(count, rows, cols)``: the logical matrices of a param of ``shape`` (see Note: the
+    logical matrices of a Muon param)."""
+    if len(shape) < 2:
+        raise ValueError(f"a Muon param needs 2 or more dims, got shape {tuple(shape)}")
+    if flatten:
+        return 1, shape[0], math.prod(shape[1:])
+    return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+
+def lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's shape scale of the lr for a ``rows`` x ``cols`` matrix."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def newton_schulz(
+    x: torch.Tensor,
+    coefficients: Sequence[tuple[float, float, float]],
+    eps: float,
+) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalization of each matrix of the stack ``x`` (k, rows, cols),
+    in ``x``'s dtype, one ``bmm`` chain for the whole stack; ``x`` is overwritten.
+
+    As torch: a tall matrix is transposed first; each matrix is divided by its Frobenius norm
+    clamped below at ``eps``; then per step ``A = X Xᵀ``, ``B = b A + c A²``, ``X = a X + B X``.
+    """
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    x.div_(norm.clamp_(min=eps))
+    for a, b, c in coefficients:
+        gram = torch.bmm(x, x.mT)
+        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, update, x, beta=a)
+    return x.mT if tall else x
