@@ -55,7 +55,7 @@ class _Ranks:
     """
 
     def __init__(self, optimizer: DistributedOptimizer, call: str) -> None:
-        optimizer._arrive(call)  # see Note: arrival check (shardopt/zero/comm.py)
+        optimizer.enter_collective(call)  # see Note: arrival check (shardopt/zero/comm.py)
         self.group = optimizer.process_group
         self.replicas = optimizer.redundant_process_group
         self.rank, self.world = optimizer.rank, optimizer.world_size

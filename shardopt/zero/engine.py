@@ -449,8 +449,12 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         """Engine param indices of every param of ``key`` (device vector)."""
         return self.sharded.member_indices[key.index]
 
-    def _arrive(self, call: str) -> None:
-        """Every rank must be entering collective ``call`` (see Note: arrival check, comm.py)."""
+    def enter_collective(self, call: str) -> None:
+        """Waits until every rank of the optimizer's groups enters the collective ``call`` (a
+        name such as ``"state_dict()"``), so a collective made on some ranks only raises
+        ``CollectiveCallError`` on every rank instead of hanging (see Note: arrival check,
+        comm.py). The optimizer's state-I/O calls make it themselves; a saver or integration
+        that runs a collective of its own over the optimizer's state calls it first."""
         name = f"{type(self).__name__}.{call}"
         comm.arrive(name, self.process_group)
         if self.redundant_process_group is not None:
@@ -486,7 +490,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         ``load_sharded_state_dict``."""
         from shardopt.zero.dcp_state import sharded_state_dict
 
-        self._arrive("sharded_state_dict()")
+        self.enter_collective("sharded_state_dict()")
         return sharded_state_dict(self, model)
 
     def load_sharded_state_dict(
@@ -495,5 +499,5 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         """Finishes a ``torch.distributed.checkpoint.load`` into ``sharded_state_dict()``."""
         from shardopt.zero.dcp_state import load_sharded_state_dict
 
-        self._arrive("load_sharded_state_dict()")
+        self.enter_collective("load_sharded_state_dict()")
         load_sharded_state_dict(self, state_dict, model)

@@ -202,7 +202,7 @@ class StateIO:
         pre-hook gets the optimizer, a post-hook the optimizer and the finished dict, and what a
         post-hook returns (not None) replaces the dict. Collective.
         """
-        self._arrive("state_dict()")
+        self.enter_collective("state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         sd = self._gather_state_dict()
@@ -297,7 +297,7 @@ class StateIO:
         pre-hook gets the optimizer and a shallow copy of ``state_dict`` and may return a dict
         to load instead; a post-hook gets the optimizer after loading. Collective.
         """
-        self._arrive("load_state_dict()")
+        self.enter_collective("load_state_dict()")
         state_dict = state_dict.copy()  # shallow, as torch.optim: a pre-hook may edit it
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
