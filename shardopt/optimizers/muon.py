@@ -1,0 +1,252 @@
+"""``FusedMuon`` (drop-in for torch.optim.Muon): Muon with Newton-Schulz batched by shape, and
+AdamW groups in the same optimizer.
+
+The algorithm (hyperparameters, defaults, checks, the Newton-Schulz iteration) is
+shardopt/algorithms/muon.py; the AdamW groups run FusedAdam's kernels (shardopt/algorithms/adam.py).
+The elementwise parts of Muon are ``torch._foreach_*`` ops (no C++ kernel yet: docs/spec.md
+"Known gaps").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from shardopt.algorithms import adam, muon
+from shardopt.algorithms.validation import check_torch_flags
+from shardopt.optimizers.fused_optimizer import FusedOptimizer
+from shardopt.optimizers.state_dict import check_state_keys
+
+H = muon.Hyperparams  # the defaults below are the algorithm's
+
+#: what a ``use_muon=False`` group takes for the hyperparameters it does not give (FusedAdam's)
+ADAMW_DEFAULTS = adam.Hyperparams().group_defaults()
+#: the entries of a Muon group that an AdamW group does not have
+MUON_ONLY = tuple(
+    f.name for f in dataclasses.fields(muon.Hyperparams) if f.name not in ADAMW_DEFAULTS
+)
+
+
+class FusedMuon(FusedOptimizer):
+    """Muon, as ``torch.optim.Muon`` computes it, with Newton-Schulz batched over same-shape
+    matrices; AdamW for the param groups marked ``use_muon=False``.
+
+    A drop-in replacement for ``torch.optim.Muon`` (same arguments, defaults, update and state
+    dict: ``momentum_buffer`` per param, torch's group keys; it loads torch's state dicts and
+    writes ones torch loads), with these additions: params of 3 or more dims (one matrix per
+    index of the leading dims, or with ``flatten=True`` one ``(shape[0], rest)`` matrix: conv
+    weights), per-step coefficients (``ns_coefficients`` as ``ns_steps`` triples: Polar Express),
+    ``ns_dtype``, fp32 masters of fp16/bf16 params (``master_weights``) and AdamW groups
+    (``shardopt.muon_param_groups`` splits a model). Unlike torch 2.13, the momentum buffer of a
+    bf16 param with ``nesterov=False`` is not divided by its norm in place (docs/spec.md
+    "FusedMuon"). The momentum buffer is fp32 for fp16/bf16 params (torch: the grad's dtype).
+
+    All matrices of one shape in a group are orthogonalized together, one ``bmm`` chain in
+    ``ns_dtype``; the momentum, the Nesterov mix, the decay and the apply are ``torch._foreach_*``
+    ops over the group (a fused C++/CUDA kernel for them is the next step). AdamW groups run
+    FusedAdam's fused kernels; their missing hyperparameters are FusedAdam's defaults (lr 1e-3,
+    betas (0.9, 0.999), eps 1e-8, weight_decay 0, adam_w_mode and bias_correction on), not this
+    constructor's.
+
+    Args:
+        params: iterable of params or of param-group dicts; a dict may hold ``use_muon=False``
+            (AdamW, with FusedAdam's keys ``lr``, ``betas``, ``eps``, ``weight_decay``, ...) or
+            any of the Muon hyperparameters below.
+        lr: learning rate (a float or a 1-element tensor, read as a number each step).
+        weight_decay: decoupled decay ``p *= 1 - lr * weight_decay`` (the unadjusted lr).
+        momentum: EMA coefficient of the momentum buffer.
+        nesterov: orthogonalize ``grad.lerp(buf, momentum)`` instead of the buffer.
+        ns_coefficients: one ``(a, b, c)`` triple for every step, or ``ns_steps`` triples.
+        eps: lower clamp of each matrix's Frobenius norm.
+        ns_steps: Newton-Schulz steps (< 100).
+        adjust_lr_fn: None / "original" (``sqrt(max(1, A/B))``) or "match_rms_adamw"
+            (``0.2 * sqrt(max(A, B))``) for an A x B matrix.
+        ns_dtype: dtype of the Newton-Schulz matmuls (bf16 as torch, or fp32, fp16, fp64).
+        flatten: a param of 3+ dims is one ``(shape[0], rest)`` matrix instead of a stack.
+        master_weights: keep fp32 masters of fp16/bf16 params; the update is applied to the
+            master and the rounded master written into the param.
+        set_grad_none: default of ``zero_grad``'s ``set_to_none``.
+        foreach, fused: accepted for torch.optim compatibility; no effect.
+        differentiable: must be False (True raises NotImplementedError).
+
+    Raises:
+        ValueError: a Muon param with fewer than 2 dims (torch's message, with the way out);
+            the hyperparameter errors of torch.optim.Muon (negative lr, momentum, weight decay,
+            an unknown ``adjust_lr_fn``, ``ns_steps >= 100``, coefficients not triples).
+        TypeError: a param of a dtype other than fp32, fp16, bf16, fp64; a bad ``ns_dtype``.
+        RuntimeError: sparse grads; params of one group on several devices.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> opt = FusedMuon([model[0].weight, model[1].weight], lr=0.02)
+        >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """
+
+    state_names = muon.STATE_NAMES
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | torch.Tensor = H.lr,
+        weight_decay: float = H.weight_decay,
+        momentum: float = H.momentum,
+        nesterov: bool = H.nesterov,
+        ns_coefficients: Any = H.ns_coefficients,
+        eps: float = H.eps,
+        ns_steps: int = H.ns_steps,
+        adjust_lr_fn: str | None = H.adjust_lr_fn,
+        ns_dtype: torch.dtype = H.ns_dtype,
+        flatten: bool = H.flatten,
+        *,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
+    ) -> None:
+        hyper = muon.Hyperparams(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
+            flatten=flatten,
+        )
+        check_torch_flags(
+            type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable
+        )
+        super().__init__(
+            params,
+            hyper,
+            set_grad_none=set_grad_none,
+            master_weights=master_weights,
+            extra_defaults={"use_muon": True},
+        )
+        # torch.optim.Muon's state dict has no step; ours counts one only for the AdamW groups
+        self.register_state_dict_post_hook(_drop_muon_steps, prepend=True)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's ``add_param_group``; a ``use_muon=False`` group is AdamW (FusedAdam's
+        defaults for what it does not give), every other group is checked as torch.optim.Muon
+        checks its params (2 or more dims) and hyperparameters."""
+        owner = type(self).__name__
+        adamw = param_group.get("use_muon", True) is False
+        if adamw:
+            param_group = {**ADAMW_DEFAULTS, **param_group}
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if adamw:
+            for name in MUON_ONLY:
+                group.pop(name, None)
+            fields = {f.name for f in dataclasses.fields(adam.Hyperparams)}
+            adam.Hyperparams(**{k: v for k, v in group.items() if k in fields}).validate(owner)
+            return
+        group["use_muon"] = True
+        muon.check_group(group, owner)
+        for p in group["params"]:
+            if p.ndim < 2:
+                raise ValueError(
+                    f"{owner} only supports 2D parameters (and stacks of them: 3 or more dims, "
+                    f"one matrix per index of the leading dims) whereas we found a parameter "
+                    f"with size: {p.size()}. Optimize it with AdamW: put it in a param group with "
+                    "use_muon=False, or build the groups with shardopt.muon_param_groups(model)"
+                )
+
+    def _plan_key(self, group: dict) -> Any:
+        return self.master_weights, group["use_muon"], group.get("flatten")
+
+    def _named_state(self, params: list, names: tuple[str, ...]) -> list[list[torch.Tensor]]:
+        """Per-element state ``names`` of each param (zeros on first use, the param's layout)."""
+        out: list[list[torch.Tensor]] = [[] for _ in names]
+        for p in params:
+            state = self._param_state(p)
+            for k, name in enumerate(names):
+                if name not in state:
+                    state[name] = torch.zeros_like(p, dtype=self._state_dtype(p))
+                out[k].append(state[name])
+        return out
+
+    def _group_tensors(self, group: dict, params: list) -> tuple:
+        math_params, outs = self._masters(params)
+        if not group["use_muon"]:
+            return math_params, outs, *self._named_state(params, adam.STATE_NAMES)
+        (bufs,) = self._named_state(params, muon.STATE_NAMES)
+        return math_params, outs, bufs, _shape_batches(params, group["flatten"])
+
+    def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
+        if not group["use_muon"]:
+            math_params, outs, exp_avg, exp_avg_sq = tensors
+            adam.update(
+                group, grads, math_params, exp_avg, exp_avg_sq, outs, step=group["step"],
+                lr=group["lr"], as_is=as_is,
+            )  # fmt: skip
+            return
+        math_params, outs, bufs, batches = tensors
+        _muon_step(group, grads, math_params, bufs, batches)
+        if outs is not None:
+            pairs = [(o, m) for o, m in zip(outs, math_params) if o is not None]
+            torch._foreach_copy_([o for o, _ in pairs], [m for _, m in pairs])
+
+    def _check_state_keys(self, saved_state: dict, saved_groups: list[dict]) -> None:
+        owner = type(self).__name__
+        for group, saved in zip(self.param_groups, saved_groups):
+            names = muon.STATE_NAMES if group["use_muon"] else adam.STATE_NAMES
+            mine = {pid: saved_state[pid] for pid in saved["params"] if pid in saved_state}
+            check_state_keys(mine, names, owner)
+
+
+def _shape_batches(params: list, flatten: bool) -> tuple:
+    """``((rows, cols, indices, counts), ...)``: the params of each logical matrix shape (their
+    indices in ``params``) and how many matrices each holds, in order of first appearance."""
+    batches: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for i, p in enumerate(params):
+        count, rows, cols = muon.matrix_shape(p.shape, flatten)
+        indices, counts = batches.setdefault((rows, cols), ([], []))
+        indices.append(i)
+        counts.append(count)
+    return tuple((rows, cols, idx, counts) for (rows, cols), (idx, counts) in batches.items())
+
+
+def _muon_step(group: dict, grads: list, params: list, bufs: list, batches: tuple) -> None:
+    """One Muon update of ``params`` (fp32 masters where kept) and their momentum buffers."""
+    momentum = group["momentum"]
+    lr = float(group["lr"])
+    grads = [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(grads, bufs)]
+    torch._foreach_lerp_(bufs, grads, 1 - momentum)
+    # the Newton-Schulz input is copied into the stacks below, so the buffer is never normalised
+    # in place (torch 2.13 does that to bf16 buffers without Nesterov)
+    updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+    decay = 1 - lr * group["weight_decay"]
+    if decay != 1:
+        torch._foreach_mul_(params, decay)
+    coefficients = muon.coefficient_triples(group["ns_coefficients"], group["ns_steps"])
+    for rows, cols, indices, counts in batches:
+        stack = torch.empty(
+            (sum(counts), rows, cols), dtype=group["ns_dtype"], device=params[0].device
+        )
+        torch._foreach_copy_(
+            list(stack.split(counts)),
+            [updates[i].reshape(c, rows, cols) for i, c in zip(indices, counts)],
+        )
+        ortho = muon.newton_schulz(stack, coefficients, group["eps"])
+        targets = [params[i] for i in indices]
+        pieces = [o.reshape(p.shape) for o, p in zip(ortho.split(counts), targets)]
+        ratio = muon.lr_ratio(group["adjust_lr_fn"], rows, cols)
+        torch._foreach_add_(targets, pieces, alpha=-lr * ratio)
+
+
+def _drop_muon_steps(optimizer: FusedMuon, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The Muon groups of ``state_dict`` as torch.optim.Muon writes them: no ``step``."""
+    for group in state_dict["param_groups"]:
+        if group.get("use_muon", True):
+            group.pop("step", None)
+            for pid in group["params"]:
+                state_dict["state"].get(pid, {}).pop("step", None)
+    return state_dict
