@@ -14,8 +14,10 @@ from shardopt.optimizers import (
     FusedAdam,
     FusedLAMB,
     FusedMixedPrecisionLamb,
+    FusedMuon,
     FusedNovoGrad,
     FusedSGD,
+    muon_param_groups,
 )
 from shardopt.zero import (
     CPUOffload,
@@ -37,10 +39,12 @@ __all__ = [
     "FusedAdam",
     "FusedLAMB",
     "FusedMixedPrecisionLamb",
+    "FusedMuon",
     "FusedNovoGrad",
     "FusedSGD",
     "__version__",
     "cuda_available",
+    "muon_param_groups",
 ]
 
 #: subpackages imported on first attribute access (PEP 562)
