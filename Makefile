@@ -19,7 +19,7 @@ setup: deps
 	if [ -n "$(INTEGRATIONS)" ]; then $(PYTHON) -m pip install -q $(INTEGRATIONS_SPEC) "$(TORCH_SPEC)"; fi
 
 train: setup
-	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) launch_scripts/train_gpt.py
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) launch_scripts/train/train_gpt.py
 
 test: setup
 	$(PYTHON) -m pytest tests -q -m "not cuda and not multigpu" --durations=15 $(PYTEST_ARGS)
@@ -36,11 +36,11 @@ test-gpu:
 	$(PYTHON) -m pytest tests -q -m "cuda" $(PYTEST_ARGS)
 
 bench:
-	$(PYTHON) launch_scripts/bench_kernels.py
+	$(PYTHON) launch_scripts/bench/bench_kernels.py
 
 # The step-time model: checks against docs/benchmarks.md, docs/scaling.md's tables and plot.
 scaling:
-	$(PYTHON) launch_scripts/scaling_model.py --write-docs
+	$(PYTHON) launch_scripts/scaling/scaling_model.py --write-docs
 
 lint:
 	$(PYTHON) -m ruff check shardopt tests launch_scripts

@@ -84,7 +84,8 @@ void apply(const std::vector<at::Tensor>& tensors, F&& f) {
 // a runtime bool read from the Hyper struct gets "no vectype" there, and `#pragma omp simd`
 // privatises the element's accumulator into an "omp simd array" (update() takes it by reference),
 // which the 16-bit store then cannot vectorise. Loops storing only fp32 vectorised either way; with
-// a bf16 out slot the scalar loop was 6x slower than the fp32 one (launch_scripts/bench_cpu_adam.py).
+// a bf16 out slot the scalar loop was 6x slower than the fp32 one
+// (launch_scripts/bench/bench_cpu_adam.py).
 // The conversions stay c10's (round to nearest even, NaN kept), so the bits do not change.
 
 // Calls f(std::true_type{}) or f(std::false_type{}) as `flag` is: a runtime flag made a

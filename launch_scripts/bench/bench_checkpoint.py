@@ -1,6 +1,7 @@
 """Sharded checkpoint save/load speed and memory on the benchmark GPT.
 
-    torchrun --standalone --nproc-per-node 2 launch_scripts/bench_checkpoint.py --dir /tmp/ckpt
+    torchrun --standalone --nproc-per-node 2 launch_scripts/bench/bench_checkpoint.py \\
+        --dir /tmp/ckpt
 
 Builds the bench_train.py model with DistributedFusedAdam, takes one step (so the state is
 populated), then times ``shardopt.checkpoint.save`` and ``load`` (with the model), reporting per
@@ -24,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import import_shardopt  # noqa: E402
-from bench_train import GPT, ModelConfig  # noqa: E402
+from bench_train_model import GPT, ModelConfig  # noqa: E402
 
 
 def rss_gib() -> float:

@@ -1,7 +1,7 @@
 """CPU Adam kernels side by side: shardopt's against DeepSpeedCPUAdam and torch's fused AdamW.
 
-    python launch_scripts/bench_cpu_adam.py --threads 16 --out bench_cpu_adam.json
-    python launch_scripts/bench_cpu_adam.py --tensors 4 --numel 4096 --threads 2   # a quick look
+    python launch_scripts/bench/bench_cpu_adam.py --threads 16 --out bench_cpu_adam.json
+    python launch_scripts/bench/bench_cpu_adam.py --tensors 4 --numel 4096 --threads 2  # quick
 
 AdamW (lr 1e-3, weight decay 0.01) over ``--tensors`` x ``--numel`` params (default 64 x 4M =
 268M) on the CPU, ``--threads`` torch and OpenMP threads; each kernel runs ``--warmup`` steps,

@@ -1,8 +1,8 @@
 """CPU step time of each prebuilt ISA module against the JIT (-march=native) build and torch fused.
 
     python setup.py build_ext --inplace       # the ISA modules (shardopt._C, _C_avx2, _C_avx512)
-    PYTHONPATH=. python launch_scripts/bench_cpu_isa.py --numel 1000000 --rounds 301
-    PYTHONPATH=. python launch_scripts/bench_cpu_isa.py --numel 50000000 --rounds 21
+    PYTHONPATH=. python launch_scripts/bench/bench_cpu_isa.py --numel 1000000 --rounds 301
+    PYTHONPATH=. python launch_scripts/bench/bench_cpu_isa.py --numel 50000000 --rounds 21
 
 One optimizer object per algorithm whose CPU module is swapped every round (round robin over the
 modules this CPU runs, the JIT build and torch.optim's fused kernel on its own copy), so that load

@@ -23,11 +23,11 @@ one line per contender that could not be measured; ``--out`` writes every number
 
 ::
 
-    python launch_scripts/bench_host.py --out bench_host.json               # GPU: gpt2 fp32, bf16
-    python launch_scripts/bench_host.py --device cpu --threads 1 --scale 0.01   # CPU: small tensors
-    python launch_scripts/bench_host.py --device cpu --threads 1 --set tiny
-    python launch_scripts/bench_host.py --device cpu --threads 2 --set 16m --rounds 31
-    python launch_scripts/bench_host.py --device cpu --threads 1 --scale 0.01 --profile adam
+    python launch_scripts/bench/bench_host.py --out bench_host.json  # GPU: gpt2 fp32, bf16
+    python launch_scripts/bench/bench_host.py --device cpu --threads 1 --scale 0.01  # CPU: small
+    python launch_scripts/bench/bench_host.py --device cpu --threads 1 --set tiny
+    python launch_scripts/bench/bench_host.py --device cpu --threads 2 --set 16m --rounds 31
+    python launch_scripts/bench/bench_host.py --device cpu --threads 1 --scale 0.01 --profile adam
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ time of every optimizer on preallocated random grads, and prints ms, effective G
 update must move, see ``TRAFFIC``), torch / shardopt time ratios and the fraction of the copy
 bandwidth reached::
 
-    python launch_scripts/bench_kernels.py --out bench_kernels.json            # GPU: all sets
-    python launch_scripts/bench_kernels.py --device cpu --threads 2            # CPU: 50M fp32
+    python launch_scripts/bench/bench_kernels.py --out bench_kernels.json            # GPU: all sets
+    python launch_scripts/bench/bench_kernels.py --device cpu --threads 2            # CPU: 50M fp32
 
 Each library keeps its default state dtype: shardopt keeps fp32 state for bf16 params, torch.optim
 keeps state in the param dtype; the byte counts follow the dtypes actually allocated.

@@ -1,9 +1,10 @@
 """CPU offload side by side on one GPU: shardopt's offload against no offload and the peers.
 
-    python launch_scripts/bench_offload.py --out bench_offload.json             # 1.4B and 2.8B
-    python launch_scripts/bench_offload.py --width 2048 --depth 24 --clip on
-    python launch_scripts/bench_offload.py --largest --budget-s 300 --out largest.json
-    python launch_scripts/bench_offload.py --device cpu --width 64 --depth 2 --seq 32 --vocab 128
+    python launch_scripts/bench/bench_offload.py --out bench_offload.json  # 1.4B and 2.8B
+    python launch_scripts/bench/bench_offload.py --width 2048 --depth 24 --clip on
+    python launch_scripts/bench/bench_offload.py --largest --budget-s 300 --out largest.json
+    python launch_scripts/bench/bench_offload.py --device cpu --width 64 --depth 2 --seq 32 \\
+        --vocab 128
 
 Per model size (``--sizes`` WIDTHxDEPTH, or ``--width`` and ``--depth``) every contender of
 bench_offload_peers.py runs in a fresh subprocess (bench_offload_worker.py), with and without

@@ -29,13 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from gpt import GPT, GPTConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+# the training example's model, from its folder (see docs/design.md, Note: launch_scripts)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+from gpt import GPT, GPTConfig  # noqa: E402
 
 LR = 1e-4
 WEIGHT_DECAY = 0.1

@@ -6,8 +6,8 @@ remainders, both moments and their scales, each read and, except the grads, writ
 that makes, and the time of a torch copy of the same byte count as a percentage of the step's
 (100% = the step runs at copy bandwidth)::
 
-    python launch_scripts/bench_state_formats.py                      # GPU: 256M elements
-    python launch_scripts/bench_state_formats.py --device cpu --numel 16777216 --threads 2
+    python launch_scripts/bench/bench_state_formats.py                      # GPU: 256M elements
+    python launch_scripts/bench/bench_state_formats.py --device cpu --numel 16777216 --threads 2
 
 GPU times are CUDA events around each call after warm-up; CPU times perf_counter; medians.
 """

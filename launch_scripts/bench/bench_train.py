@@ -8,8 +8,9 @@ the peak memory per GPU and the global tokens/s; plus the reduce-scatter and all
 bandwidth of the collective library at the full gradient size in one call, and at the engine's
 bucket size, 4x and 16x that (one bucket alone, and the full gradient split into such buckets)::
 
-    torchrun --standalone --nproc-per-node 2 launch_scripts/bench_train.py --out bench_train.json
-    torchrun --standalone --nproc-per-node 2 launch_scripts/bench_train.py --device cpu \\
+    torchrun --standalone --nproc-per-node 2 launch_scripts/bench/bench_train.py \\
+        --out bench_train.json
+    torchrun --standalone --nproc-per-node 2 launch_scripts/bench/bench_train.py --device cpu \\
         --layers 2 --d-model 64 --vocab 128 --seq 32 --batch 2 --steps 3 --warmup 1
 
 Modes (params fp32, compute under bf16 autocast, weight decay 0.1 everywhere):

@@ -1,9 +1,9 @@
 """Plots the JSON written by bench_train.py and bench_kernels.py for docs/benchmarks.md.
 
-    python launch_scripts/plot_benchmarks.py --train bench_train.json --kernels bench_kernels.json \
-        --out docs/img
-    python launch_scripts/plot_benchmarks.py --scaling bench_train_w2.json bench_train_w4.json \
-        bench_train_w8.json --out docs/img
+    python launch_scripts/bench/plot_benchmarks.py --train bench_train.json \
+        --kernels bench_kernels.json --out docs/img
+    python launch_scripts/bench/plot_benchmarks.py --scaling bench_train_w2.json \
+        bench_train_w4.json bench_train_w8.json --out docs/img
 
 ``--scaling`` takes bench_train.py runs at several world sizes (weak scaling: same batch per GPU)
 and prints a markdown table per mode (step ms, tokens/s per GPU, scaling efficiency against the

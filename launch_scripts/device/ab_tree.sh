@@ -5,12 +5,12 @@
 # whose csrc/ is this tree's). Run here, before the call (ab_old/ is untracked and travels with
 # the working tree; keep it out of commits, e.g. `echo /ab_old/ >> .git/info/exclude`):
 #
-#   bash launch_scripts/ab_tree.sh 1bf6840
+#   bash launch_scripts/device/ab_tree.sh 1bf6840
 #   # then, as the device command (carry .whl), REV's rows alternated with this tree's:
 #   OLD="PYTHONPATH=$PWD/ab_old:/tmp/site,AB_BUILD_DIR=$PWD/.build"
-#   OFFLOAD_SETTINGS="$OLD default $OLD default" bash launch_scripts/device_offload.sh settings
+#   OFFLOAD_SETTINGS="$OLD default $OLD default" bash launch_scripts/device/device_offload.sh settings
 set -euo pipefail
-REV=${1:?usage: bash launch_scripts/ab_tree.sh REV}
+REV=${1:?usage: bash launch_scripts/device/ab_tree.sh REV}
 if ! git diff --quiet "$REV" -- csrc; then
   echo "csrc/ differs between $REV and the working tree: its kernels would not be $REV's" >&2
   exit 1
@@ -18,7 +18,7 @@ fi
 rm -rf ab_old && mkdir ab_old
 git archive "$REV" shardopt | tar -x -C ab_old
 cat > ab_old/shardopt/_C.py <<'PY'
-# A/B only (launch_scripts/ab_tree.sh): this tree's JIT-built kernels (AB_BUILD_DIR) as shardopt._C.
+# A/B only (launch_scripts/device/ab_tree.sh): this tree's JIT-built kernels (AB_BUILD_DIR) as shardopt._C.
 import glob
 import importlib.util
 import os

@@ -13,8 +13,8 @@ is a development aid for machines without a GPU: the test file's ``"cuda"`` devi
 become ``"cpu"``, CUDA streams become no-ops and the base joins gloo with ``--world`` processes.
 It is not Apex's suite as written; only the GPU run counts (docs/testing.md).
 
-    python launch_scripts/apex_suite.py extract --from /path/to/apex/.git --to .apex
-    python launch_scripts/apex_suite.py run --apex .apex [-k int64] [--cpu --world 2]
+    python launch_scripts/device/apex_suite.py extract --from /path/to/apex/.git --to .apex
+    python launch_scripts/device/apex_suite.py run --apex .apex [-k int64] [--cpu --world 2]
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ FILES = (
     "apex/distributed_testing/_ucc_util.py",
 )
 
-SHIM = '''"""Apex's DistributedFusedAdam name for shardopt's (launch_scripts/apex_suite.py)."""
+SHIM = '''"""Apex's DistributedFusedAdam name for shardopt's (launch_scripts/device/apex_suite.py).
+"""
 from shardopt import DistributedFusedAdam  # every argument Apex's suite passes, as is
 '''
 
@@ -98,7 +99,7 @@ def _package(apex: Path, root: Path, cpu: bool, world: int) -> Path:
 
 
 def run(apex: Path, cpu: bool, world: int, pytest_args: list[str]) -> int:
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="apex_suite_") as tmp:
         test = _package(apex, Path(tmp), cpu, world)
         env = dict(os.environ)

@@ -19,7 +19,7 @@
 #             OFFLOAD_SETTINGS (default: "default BENCH_OFFLOAD_THREADS=12 BENCH_OFFLOAD_THREADS=14
 #             OMP_WAIT_POLICY=PASSIVE BENCH_OFFLOAD_BLOCKING_SYNC=1"), each capped at SETTINGS_S
 #             (80): an A/B of what the step is sensitive to, every row on the same host; with
-#             launch_scripts/ab_tree.sh, of another revision's Python against this tree's
+#             launch_scripts/device/ab_tree.sh, of another revision's Python against this tree's
 #             (SETTINGS_ARGS: more bench_offload.py arguments for these runs; BENCH_ARGS is not used;
 #             e.g. OFFLOAD_SETTINGS="default BENCH_OFFLOAD_BUCKET_MB=200" for larger buckets; a
 #             setting of several variables joins them with commas: BENCH_OFFLOAD_BUCKET_MB=400,BENCH_OFFLOAD_SLOTS=2)
@@ -35,10 +35,10 @@
 #             LARGEST_ARGS: more of its arguments, e.g. "--largest-contenders deepspeed_offload")
 # Each stage gets at most its cap and never more than what is left; a bench that runs out of time
 # records its remaining contenders as skipped. Whatever did not fit runs in a second call on the
-# warm machine (the build is kept in .build): bash launch_scripts/device_offload.sh bench28 largest
+# warm machine (the build is kept in .build): bash launch_scripts/device/device_offload.sh bench28 largest
 # Logs and per-worker logs are packed into $OUT/offload.tgz; the JSON results and summary.md
 # (every printed table) are copied to $OUT.
-#   device tool: run(command="bash launch_scripts/device_offload.sh", carry=[".whl"])
+#   device tool: run(command="bash launch_scripts/device/device_offload.sh", carry=[".whl"])
 # The wheels (Python 3.12 there, no network), made here in the repository root:
 #   python -m venv --system-site-packages /tmp/dsvenv && /tmp/dsvenv/bin/pip install wheel
 #   /tmp/dsvenv/bin/pip wheel deepspeed==0.19.8 --no-deps --no-build-isolation -w .whl
@@ -85,13 +85,13 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 stage build
-timeout "$(allot 400)" bash launch_scripts/device_run.sh 2>&1 | tail -3 | tee -a "$SUMMARY"
+timeout "$(allot 400)" bash launch_scripts/device/device_run.sh 2>&1 | tail -3 | tee -a "$SUMMARY"
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "build failed (log in logs.tgz)" | tee -a "$SUMMARY"; exit 1; }
 
 bench() {  # bench NAME WIDTH DEPTH CAP
   local t; t=$(allot "$4")
   [ "$t" -ge 40 ] || { echo "skipped: time budget spent" | tee -a "$SUMMARY"; return; }
-  timeout "$t" python3 launch_scripts/bench_offload.py --width "$2" --depth "$3" \
+  timeout "$t" python3 launch_scripts/bench/bench_offload.py --width "$2" --depth "$3" \
     --warmup 2 --steps 5 --budget-s $((t - 10)) --contender-timeout-s 150 \
     --log-dir "$LOG/workers_$1" --out "$LOG/bench_offload_$1.json" ${BENCH_ARGS:-} \
     > "$LOG/bench_offload_$1.log" 2>&1
@@ -112,7 +112,7 @@ stages=("$@")
 for s in "${stages[@]}"; do
   stage "$s"
   if [ "$(allot 30)" -lt 30 ]; then
-    echo "skipped: time budget spent (run: bash launch_scripts/device_offload.sh $s)" | tee -a "$SUMMARY"
+    echo "skipped: time budget spent (run: bash launch_scripts/device/device_offload.sh $s)" | tee -a "$SUMMARY"
     continue
   fi
   case $s in
@@ -121,7 +121,7 @@ for s in "${stages[@]}"; do
              > "$LOG/test_offload_cuda.log" 2>&1
            grep -E "^(FAILED|ERROR)" "$LOG/test_offload_cuda.log" | head -20 | tee -a "$SUMMARY"
            tail -1 "$LOG/test_offload_cuda.log" | tee -a "$SUMMARY" ;;
-    bits) timeout "$(allot "${BITS_S:-120}")" python3 launch_scripts/probe_offload_bits.py \
+    bits) timeout "$(allot "${BITS_S:-120}")" python3 launch_scripts/probe/probe_offload_bits.py \
             --out "$LOG/probe_offload_bits.json" > "$LOG/probe_offload_bits.log" 2>&1
           echo "probe_offload_bits: exit code $?" | tee -a "$SUMMARY"
           tail -25 "$LOG/probe_offload_bits.log" | tee -a "$SUMMARY" ;;
@@ -132,7 +132,7 @@ for s in "${stages[@]}"; do
                [ "$t" -ge 30 ] || { echo "trace $kv clip $clip skipped: time budget spent" | tee -a "$SUMMARY"; continue; }
                echo "-- trace: $kv, clip $clip" | tee -a "$SUMMARY"
                ( [ "$kv" = default ] || { IFS=, read -r -a kvs <<< "$kv"; export "${kvs[@]}"; }
-                 timeout "$t" python3 launch_scripts/trace_offload.py --clip "$clip" \
+                 timeout "$t" python3 launch_scripts/probe/trace_offload.py --clip "$clip" \
                    > "$LOG/trace_${kv//[^A-Za-z0-9_.-]/_}_$clip.log" 2>&1 )
                grep -E "interval|iteration ms|kernel|update|job |wait_bucket|ev_sync|step\(\)|forward|backward|submit_early|stage|slot_take|copy_issue|restart|release|rs_wait|hand|finish|thread" \
                  "$LOG/trace_${kv//[^A-Za-z0-9_.-]/_}_$clip.log" | head -100 | tee -a "$SUMMARY"
@@ -143,19 +143,19 @@ for s in "${stages[@]}"; do
                for bargs in "${bsets[@]}"; do
                  n=$((n + 1)); read -r -a bv <<< "$bargs"
                  echo "-- probe_host_bandwidth ${bargs}" | tee -a "$SUMMARY"
-                 timeout "$(allot "${BANDWIDTH_S:-120}")" python3 launch_scripts/probe_host_bandwidth.py "${bv[@]}" \
+                 timeout "$(allot "${BANDWIDTH_S:-120}")" python3 launch_scripts/probe/probe_host_bandwidth.py "${bv[@]}" \
                    --out "$LOG/probe_host_bandwidth_$n.json" > "$LOG/probe_host_bandwidth_$n.log" 2>&1
                  echo "probe_host_bandwidth: exit code $?" | tee -a "$SUMMARY"
                  tail -12 "$LOG/probe_host_bandwidth_$n.log" | tee -a "$SUMMARY"
                done ;;
     pages) read -r -a pargs <<< "${PAGES_ARGS:---params 1320000000 --chunk 27262976}"
-           timeout "$(allot "${PAGES_S:-150}")" python3 launch_scripts/probe_host_pages.py "${pargs[@]}" \
+           timeout "$(allot "${PAGES_S:-150}")" python3 launch_scripts/probe/probe_host_pages.py "${pargs[@]}" \
              > "$LOG/probe_host_pages.log" 2>&1
            echo "probe_host_pages: exit code $?" | tee -a "$SUMMARY"
            grep -E "^\||THP" "$LOG/probe_host_pages.log" | tee -a "$SUMMARY" ;;
     ds_op) ds_op ;;
     cpu_adam) ds_op
-              OMP_NUM_THREADS=$NCORES timeout "$(allot 150)" python3 launch_scripts/bench_cpu_adam.py \
+              OMP_NUM_THREADS=$NCORES timeout "$(allot 150)" python3 launch_scripts/bench/bench_cpu_adam.py \
                 --threads "$NCORES" --out "$LOG/bench_cpu_adam.json" > "$LOG/bench_cpu_adam.log" 2>&1
               sed -n '/^| kernel/,$p' "$LOG/bench_cpu_adam.log" | tee -a "$SUMMARY" ;;
     bench14) bench 1.4b 2048 24 "${BENCH14_S:-200}" ;;
@@ -170,12 +170,12 @@ for s in "${stages[@]}"; do
     bench28) bench 2.8b 2560 32 "${BENCH28_S:-260}" ;;
     largest) t=$(allot "${LARGEST_BUDGET_S:-600}")
              if [ "$t" -ge 60 ]; then
-               timeout "$t" python3 launch_scripts/bench_offload.py --largest --budget-s $((t - 10)) \
+               timeout "$t" python3 launch_scripts/bench/bench_offload.py --largest --budget-s $((t - 10)) \
                  --attempt-timeout-s 150 ${LARGEST_ARGS:-} --log-dir "$LOG/workers_largest" --out "$LOG/bench_offload_largest.json" \
                  > "$LOG/bench_offload_largest.log" 2>&1
                grep -E "^  |^\|" "$LOG/bench_offload_largest.log" | tee -a "$SUMMARY"
              else
-               echo "skipped: time budget spent (run: bash launch_scripts/device_offload.sh largest)" | tee -a "$SUMMARY"
+               echo "skipped: time budget spent (run: bash launch_scripts/device/device_offload.sh largest)" | tee -a "$SUMMARY"
              fi ;;
     *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;
   esac

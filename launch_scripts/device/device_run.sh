@@ -12,11 +12,11 @@
 # --platform manylinux2014_x86_64 -d .dswheels`, and name .dswheels in the tool's carry), quality
 # (train_gpt.py per state format; QUALITY_MODEL, QUALITY_STEPS, QUALITY_ARGS, QUALITY_TIMEOUT),
 # contract (the parity stage's tests/zero/nccl_contract.py alone), apex (tests/zero/apex_script.py: Apex-style scripts against DDP + AdamW, on every GPU), apex_suite (Apex's own
-# test_dist_adam.py against shardopt, launch_scripts/apex_suite.py; its files and an expecttest
-# wheel in $APEX_DIR, default .apex: `python launch_scripts/apex_suite.py extract --from APEX_GIT`
+# test_dist_adam.py against shardopt, launch_scripts/device/apex_suite.py; its files and an expecttest
+# wheel in $APEX_DIR, default .apex: `python launch_scripts/device/apex_suite.py extract --from APEX_GIT`
 # and `pip download expecttest --no-deps -d .apex/wheels` here, and name .apex in the carry). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
 # the end (the device tool returns at most 8 files).
-#   bash launch_scripts/device_run.sh tests parity kernels
+#   bash launch_scripts/device/device_run.sh tests parity kernels
 set -uo pipefail
 FINAL=${OUT:-/tmp/shardopt-out}
 OUT=$FINAL/logs
@@ -49,34 +49,34 @@ for s in "$@"; do
              > "$OUT/nccl_contract.log" 2>&1; grep -E "PASS|FAIL" "$OUT/nccl_contract.log" | tail -8
             timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/optimizers/nccl_dtensor.py \
              > "$OUT/nccl_dtensor.log" 2>&1; grep -E "PASS|FAIL" "$OUT/nccl_dtensor.log" | tail -8 ;;
-    kernels) timeout 280 python3 launch_scripts/bench_kernels.py --out "$OUT/bench_kernels.json" \
+    kernels) timeout 280 python3 launch_scripts/bench/bench_kernels.py --out "$OUT/bench_kernels.json" \
              > "$OUT/bench_kernels.log" 2>&1; tail -45 "$OUT/bench_kernels.log" ;;
-    train) timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
+    train) timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench/bench_train.py \
              --out "$OUT/bench_train.json" > "$OUT/bench_train.log" 2>&1; tail -40 "$OUT/bench_train.log" ;;
-    ckpt) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_checkpoint.py \
+    ckpt) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench/bench_checkpoint.py \
              --dir /tmp/shardopt-ckpt --out "$OUT/bench_checkpoint.json" > "$OUT/bench_checkpoint.log" 2>&1;
           grep -E "rank=|Error" "$OUT/bench_checkpoint.log" | tail -6 ;;
-    example) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train_gpt.py \
+    example) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train/train_gpt.py \
              --out-dir "$OUT/example" --no-progress > "$OUT/example.log" 2>&1; tail -8 "$OUT/example.log" ;;
     scaling) runs=()
              for n in 2 4 8; do
                [ "$n" -le "$NGPU" ] || continue
-               timeout 400 torchrun --standalone --nproc-per-node "$n" launch_scripts/bench_train.py \
+               timeout 400 torchrun --standalone --nproc-per-node "$n" launch_scripts/bench/bench_train.py \
                  --out "$OUT/bench_train_w$n.json" > "$OUT/bench_train_w$n.log" 2>&1
                tail -10 "$OUT/bench_train_w$n.log"; runs+=("$OUT/bench_train_w$n.json")
              done
-             python3 launch_scripts/plot_benchmarks.py --scaling "${runs[@]}" --out "$OUT" \
+             python3 launch_scripts/bench/plot_benchmarks.py --scaling "${runs[@]}" --out "$OUT" \
                > "$OUT/scaling.md" 2>&1; cat "$OUT/scaling.md" ;;
-    formats) timeout 200 python3 launch_scripts/bench_state_formats.py --out "$OUT/bench_state_formats.json" \
+    formats) timeout 200 python3 launch_scripts/bench/bench_state_formats.py --out "$OUT/bench_state_formats.json" \
              > "$OUT/bench_state_formats.log" 2>&1; tail -25 "$OUT/bench_state_formats.log" ;;
-    formats_train) timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
+    formats_train) timeout 400 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench/bench_train.py \
              --modes shardopt_adam_overlap,shardopt_adam_scaled,shardopt_adam_int8,shardopt_adam_bf16,shardopt_adam_bf16_remainders,shardopt_adam_bf16_remainders_int8,fsdp2 \
              --out "$OUT/bench_train_formats.json" > "$OUT/bench_train_formats.log" 2>&1; tail -14 "$OUT/bench_train_formats.log" ;;
-    host) timeout 200 python3 launch_scripts/bench_host.py --out "$OUT/bench_host.json" \
+    host) timeout 200 python3 launch_scripts/bench/bench_host.py --out "$OUT/bench_host.json" \
              > "$OUT/bench_host.log" 2>&1; tail -45 "$OUT/bench_host.log" ;;
     deepspeed) python3 -m pip install -q --no-index --no-deps .dswheels/*.whl > "$OUT/deepspeed_install.log" 2>&1
              # DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as numbers ("9.0a" fails)
-             TORCH_CUDA_ARCH_LIST=9.0 timeout 500 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench_train.py \
+             TORCH_CUDA_ARCH_LIST=9.0 timeout 500 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench/bench_train.py \
              --modes "${PEER_MODES:-compute_floor,ddp_adamw,shardopt_adam_overlap,deepspeed_zero2,ddp_adamw_compiled,shardopt_adam_compiled}" \
              --out "$OUT/bench_train_peers.json" > "$OUT/bench_train_peers.log" 2>&1; tail -14 "$OUT/bench_train_peers.log" ;;
     contract) timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/zero/nccl_contract.py \
@@ -84,11 +84,11 @@ for s in "$@"; do
     apex) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" tests/zero/apex_script.py \
              > "$OUT/apex_script.log" 2>&1; grep -E "PASS|FAIL|refused" "$OUT/apex_script.log" | tail -8 ;;
     apex_suite) python3 -c "import expecttest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps "$APEX_DIR"/wheels/*.whl
-             timeout 500 python3 launch_scripts/apex_suite.py run --apex "$APEX_DIR" > "$OUT/apex_suite.log" 2>&1
+             timeout 500 python3 launch_scripts/device/apex_suite.py run --apex "$APEX_DIR" > "$OUT/apex_suite.log" 2>&1
              grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/apex_suite.log" | tail -12 ;;
     quality) for f in fp32 bf16 scaled_fp16 int8; do
                # QUALITY_ARGS: more train_gpt.py flags, e.g. "--batch-size 8 --block-size 512"
-               timeout "${QUALITY_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train_gpt.py \
+               timeout "${QUALITY_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train/train_gpt.py \
                  --state-format "$f" --steps "${QUALITY_STEPS:-300}" --model "${QUALITY_MODEL:-small}" \
                  ${QUALITY_ARGS:-} --out-dir "/tmp/quality_$f" --no-progress > "$OUT/quality_$f.log" 2>&1
                echo "$f: $(grep -E "^final:" "$OUT/quality_$f.log" | tail -1)"

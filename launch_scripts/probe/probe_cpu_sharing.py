@@ -2,8 +2,8 @@
 params on 2 threads, median of 10 steps after 2; run it beside a busy process to see a thread
 whose core is shared (Note: items taken one by one, csrc/multi_tensor/cpu_apply.h):
 
-    python launch_scripts/probe_cpu_sharing.py idle
-    python -c "while True: pass" & python launch_scripts/probe_cpu_sharing.py busy; kill %1
+    python launch_scripts/probe/probe_cpu_sharing.py idle
+    python -c "while True: pass" & python launch_scripts/probe/probe_cpu_sharing.py busy; kill %1
 """
 
 import statistics

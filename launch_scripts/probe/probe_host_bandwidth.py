@@ -1,8 +1,8 @@
 """The host's memory bandwidth against the offloaded update's: is the CPU Adam of the offload
 path at the host's DRAM limit, and how much does the pipeline's DMA beside it take?
 
-    python3 launch_scripts/probe_host_bandwidth.py            # one GPU; ~23 GB host memory
-    python3 launch_scripts/probe_host_bandwidth.py --buckets 4 --numel 4194304   # CPU, small
+    python3 launch_scripts/probe/probe_host_bandwidth.py            # one GPU; ~23 GB host memory
+    python3 launch_scripts/probe/probe_host_bandwidth.py --buckets 4 --numel 4194304   # CPU, small
 
 Every line is the median of ``--rounds`` timed rounds after one, on ``--threads`` threads (default
 every core), of one of:
@@ -36,10 +36,12 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the benchmarks' shared pieces, from their folder (see docs/design.md, Note: launch_scripts)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from bench_common import import_shardopt  # noqa: E402
 
 

@@ -14,8 +14,8 @@ alternating rounds. A case is ``pages-touch-shape``:
 
 Prints each round's median step and the transparent huge pages the process held.
 
-    python3 launch_scripts/probe_host_pages.py --params 536870912 --chunk 26214400 --rounds 2
-    python3 launch_scripts/probe_host_pages.py --cases 4k-par-flat,4k-ser-flat,4k-ser-chunks
+    python3 launch_scripts/probe/probe_host_pages.py --params 536870912 --chunk 26214400 --rounds 2
+    python3 launch_scripts/probe/probe_host_pages.py --cases 4k-par-flat,4k-ser-flat,4k-ser-chunks
 """
 
 import argparse

@@ -2,7 +2,7 @@
 GPUs): the same Adam inputs through the CPU kernel and the CUDA kernel, then the optimizers'
 first steps with and without offload, each mismatching element's inputs printed in hex.
 
-    python3 launch_scripts/probe_offload_bits.py [--out probe_bits.json]      # one GPU, ~20 s
+    python3 launch_scripts/probe/probe_offload_bits.py [--out probe_bits.json]      # one GPU, ~20 s
 
 1. Kernel: ``shardopt.kernels.adam`` on 4M random fp32 params (bf16 grads, bf16 out slot) on the
    CPU (host step) and on CUDA with a host step and with a device ``step_t`` (as the distributed

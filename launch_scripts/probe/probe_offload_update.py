@@ -1,7 +1,7 @@
 """What slows the CPU Adam of the offload path down per bucket: thread count, per-bucket calls,
 the grad/param copies beside it, a GPU busy with launches from another thread.
 
-    python3 launch_scripts/probe_offload_update.py      # one GPU; ~22 GB host memory per layout
+    python3 launch_scripts/probe/probe_offload_update.py  # one GPU; ~22 GB host memory per layout
 
 51 buckets of 26M params (1.39B; the 1.4B GPT's bucket shape): fp32 masters and moments, bf16
 grads in and bf16 params out (pinned exact-size slots). Each line: the median of 3 timed steps

@@ -1,6 +1,6 @@
 """Timeline of one offloaded training iteration of the bench's GPT (one GPU, NCCL world 1).
 
-    PYTHONPATH=.:launch_scripts python3 launch_scripts/trace_offload.py --clip off|on
+    PYTHONPATH=. python3 launch_scripts/probe/trace_offload.py --clip off|on
 
 Wraps the offload pipeline's methods (staging, each bucket's update, the worker's CUDA event waits,
 the main thread's waits for buckets) with host timestamps and prints, for one iteration after
@@ -25,10 +25,13 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "launch_scripts")
+# the offload bench's model and process group, from its folder (see docs/design.md,
+# Note: launch_scripts)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from bench_offload_peers import build, model_config  # noqa: E402
 from bench_offload_worker import init_process_group  # noqa: E402
 

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "scaling.md"
 PLOT = REPO / "docs" / "img" / "scaling_model.png"
 BEGIN, END = "<!-- scaling_model.py: begin -->", "<!-- scaling_model.py: end -->"

@@ -26,9 +26,9 @@ measured on 2 x H200 (docs/benchmarks.md, commit 7d95db8) and a few stated assum
   own NIC with the same GPU of every other node: a ring of N/G, exposed (the engine runs it after
   the last reduce-scatter, before the update).
 
-    python launch_scripts/scaling_model.py                  # checks, tables, recommendation
-    python launch_scripts/scaling_model.py --write-docs     # also docs/scaling.md + the plot
-    python launch_scripts/scaling_model.py --model 7b --gpus 256 --hsdp --bucket-mb 1600
+    python launch_scripts/scaling/scaling_model.py               # checks, tables, recommendation
+    python launch_scripts/scaling/scaling_model.py --write-docs  # also docs/scaling.md + the plot
+    python launch_scripts/scaling/scaling_model.py --model 7b --gpus 256 --hsdp --bucket-mb 1600
 
 The parts: scaling_inputs.py (measurements, shapes, machine, layout), scaling_step.py (the model),
 scaling_calibration.py (fits and checks), scaling_report.py (tables, docs, plot); this file is the

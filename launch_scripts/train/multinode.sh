@@ -2,8 +2,8 @@
 # Multi-node launch of the training example (docs/multinode.md). Run it once on every node, with
 # the same NNODES, MASTER_ADDR, MASTER_PORT and RDZV_ID; arguments go to train_gpt.py.
 #
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash launch_scripts/multinode.sh --hsdp   # on node0
-#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash launch_scripts/multinode.sh --hsdp   # on node1
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash launch_scripts/train/multinode.sh --hsdp   # on node0
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash launch_scripts/train/multinode.sh --hsdp   # on node1
 #
 # Environment:
 #   NNODES          nodes (default 1)

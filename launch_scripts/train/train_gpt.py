@@ -2,8 +2,8 @@
 
 Run with torchrun (any number of processes; NCCL on GPUs, gloo on CPU) or with plain python::
 
-    torchrun --standalone --nproc-per-node 2 launch_scripts/train_gpt.py
-    python launch_scripts/train_gpt.py --optimizer lamb --steps 200
+    torchrun --standalone --nproc-per-node 2 launch_scripts/train/train_gpt.py
+    python launch_scripts/train/train_gpt.py --optimizer lamb --steps 200
 
 By default the model trains with ``shardopt.DistributedFused<Optimizer>`` and no DDP: the
 optimizer's gradient hooks reduce-scatter the gradients during backward, each rank updates its

@@ -20,7 +20,7 @@ Note: huge pages for host state
     on the placement's node before it (``on_node``, Note: NUMA placement in host_numa.py).
 
     Measured on the one-H200 box (16 cores, THP ``madvise``; docs/benchmarks.md, "CPU offload"):
-    the offload kernel alone over 402M params (launch_scripts/probe_host_pages.py, one round,
+    the offload kernel alone over 402M params (launch_scripts/probe/probe_host_pages.py, one round,
     one call) took 113.9 ms on 4 KiB pages, 119.2 ms on 2 MiB-aligned huge pages and 107.1 ms
     staggered. The 1.32B GPT's unclipped offloaded step took 465.4 ms staggered, 492.4 ms on 4 KiB
     pages and 533.1 ms aligned, each in another call (machine). The CUDA test of

@@ -50,8 +50,8 @@ Note: the worker's order during backward
     hand-over made both copy streams wait for the compute stream, a copy issued early in the
     host's backward waited for the GPU to reach a much later bucket, and the out slots' copies up
     (which a slot's reuse waits for) for about the end of backward. On one H200
-    (launch_scripts/trace_offload.py, clip off, eighth session, two hosts) the worker updated 5
-    of the 51 buckets during backward before and 11 after, its grad-copy waits 50.9 -> 6.0 ms an
+    (launch_scripts/probe/trace_offload.py, clip off, eighth session, two hosts) the worker updated
+    5 of the 51 buckets during backward before and 11 after, its grad-copy waits 50.9 -> 6.0 ms an
     iteration; earlier fixes of the same kind: a bucket taken in a job of its own had its copy
     waited on unoverlapped (1.6-1.9 ms each), and every queued bucket's reduce-scatter wait went
     on the copy stream at once (7-18 ms waits, seventh session). When backward ends the rest go in

@@ -59,7 +59,7 @@ MEASURED_STEPS = 3
 #: factor on the CPU side's measured time: the worker shares the host with the training loop and
 #: its grad and param copies, and its update runs bucket by bucket; on one H200's host (16
 #: cores) the offloaded 1.32B GPT's bucket updates took 1.4-1.55x the same update in one call
-#: alone (docs/benchmarks.md, launch_scripts/trace_offload.py and probe_offload_update.py)
+#: alone (docs/benchmarks.md, launch_scripts/probe/trace_offload.py and probe_offload_update.py)
 HEADROOM = 1.5
 #: JSON of measurements that replace those taken (see Note: the re-plan)
 MEASURED_ENV = "SHARDOPT_OFFLOAD_AUTO_MEASURED"

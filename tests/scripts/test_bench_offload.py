@@ -1,6 +1,7 @@
-"""launch_scripts/bench_offload.py and bench_cpu_adam.py on the CPU with tiny sizes: the records,
-the tables, the skips of GPU-only peers, a worker subprocess and its failure path, and the
-largest-model search's walk (against a fake attempt runner)."""
+"""launch_scripts/bench/bench_offload.py and bench_cpu_adam.py on the CPU with tiny sizes: the
+records, the tables, the skips of GPU-only peers, a worker subprocess and its failure path, and the
+largest-model search's walk (against a fake attempt runner); the host probes of
+launch_scripts/probe/."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "launch_scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path[:0] = [str(SCRIPTS / "bench"), str(SCRIPTS / "probe")]
 
 import bench_cpu_adam  # noqa: E402
 import bench_offload  # noqa: E402

@@ -1,5 +1,5 @@
-"""launch_scripts/scaling_model.py: its checks against docs/benchmarks.md hold, docs/scaling.md
-shows what the script computes, and the pieces behave as docs/scaling.md says."""
+"""launch_scripts/scaling/scaling_model.py: its checks against docs/benchmarks.md hold,
+docs/scaling.md shows what the script computes, and the pieces behave as docs/scaling.md says."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "launch_scripts"))
+sys.path.insert(0, str(REPO / "launch_scripts" / "scaling"))
 
 import scaling_model as sm  # noqa: E402
 
@@ -36,7 +36,8 @@ def test_docs_show_the_generated_numbers(cal):
     block = re.search(re.escape(sm.BEGIN) + r"\n\n(.*)\n" + re.escape(sm.END), doc, re.DOTALL)
     assert block, "docs/scaling.md lost its generated block"
     expected = sm.render(cal, sm.Machine(), 8, "")
-    assert block.group(1) == expected, "run: python launch_scripts/scaling_model.py --write-docs"
+    fix = "run: python launch_scripts/scaling/scaling_model.py --write-docs"
+    assert block.group(1) == expected, fix
 
 
 def test_ring_and_queues():

@@ -1,4 +1,4 @@
-"""The training example (launch_scripts/train_gpt.py) at world size 2 on gloo.
+"""The training example (launch_scripts/train/train_gpt.py) at world size 2 on gloo.
 
 Parity, not a falling loss: ZeRO (DistributedFusedAdam, no DDP) and ``--baseline ddp`` (DDP +
 FusedAdam) must reach the same weights from the same data, and a run resumed from a mid-run
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "launch_scripts"
+SCRIPTS = REPO / "launch_scripts" / "train"
 sys.path.insert(0, str(SCRIPTS))
 
 import data  # noqa: E402

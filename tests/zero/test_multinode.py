@@ -1,6 +1,6 @@
 """Multi-node launch on one machine, HSDP groups from the node layout, and resharded resume.
 
-Two torchrun launchers (``launch_scripts/multinode.sh``: ``--nnodes 2``, one c10d rendezvous
+Two torchrun launchers (``launch_scripts/train/multinode.sh``: ``--nnodes 2``, one c10d rendezvous
 endpoint on localhost) with 2 gloo processes each train the example with ``--hsdp`` (shard within
 a "node", replicate across the two), checkpoint, and a single launcher of 3 processes without HSDP
 resumes from that checkpoint. Every layout sees the same global batch of 12 sequences per
@@ -37,7 +37,7 @@ from shardopt import checkpoint
 from shardopt.zero import hsdp_groups
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "launch_scripts"
+SCRIPTS = REPO / "launch_scripts" / "train"
 
 STEPS, CKPT_STEP = 6, 3
 GLOBAL_BATCH = 12  # sequences per micro-batch, whatever the layout
@@ -100,7 +100,7 @@ def _standalone(nproc: int, out: Path, *flags: str) -> str:
 
 
 def _two_nodes(out: Path, *flags: str, max_restarts: int = 0) -> list[str]:
-    """launch_scripts/multinode.sh twice: NNODES=2, NODE_RANK 0 and 1, 2 processes each."""
+    """launch_scripts/train/multinode.sh twice: NNODES=2, NODE_RANK 0 and 1, 2 processes each."""
     port, run_id = _free_port(), f"test{os.getpid()}"
     args = [*RUN, "--out-dir", str(out / "out"), *flags]
     cmds = [
