@@ -42,7 +42,8 @@ class FusedMuon(FusedOptimizer):
     ``ns_dtype``, fp32 masters of fp16/bf16 params (``master_weights``) and AdamW groups
     (``shardopt.muon_param_groups`` splits a model). Unlike torch 2.13, the momentum buffer of a
     bf16 param with ``nesterov=False`` is not divided by its norm in place (docs/spec.md
-    "FusedMuon"). The momentum buffer is fp32 for fp16/bf16 params (torch: the grad's dtype).
+    "FusedMuon"). The momentum buffer has the param's dtype, as torch's (fp32 beside fp32
+    masters); AdamW groups keep fp32 state for fp16/bf16 params, as FusedAdam.
 
     All matrices of one shape in a group are orthogonalized together, one ``bmm`` chain in
     ``ns_dtype``; the momentum, the Nesterov mix, the decay and the apply are ``torch._foreach_*``
@@ -162,6 +163,11 @@ class FusedMuon(FusedOptimizer):
     def _plan_key(self, group: dict) -> Any:
         return self.master_weights, group["use_muon"], group.get("flatten")
 
+    def _buffer_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The momentum buffer's dtype: the param's, as torch.optim.Muon keeps it (the grad's),
+        so that fp16/bf16 params round where torch's do; fp32 beside an fp32 master."""
+        return torch.float32 if self._keeps_master(p) else p.dtype
+
     def _named_state(self, params: list, names: tuple[str, ...]) -> list[list[torch.Tensor]]:
         """Per-element state ``names`` of each param (zeros on first use, the param's layout)."""
         out: list[list[torch.Tensor]] = [[] for _ in names]
@@ -169,9 +175,16 @@ class FusedMuon(FusedOptimizer):
             state = self._param_state(p)
             for k, name in enumerate(names):
                 if name not in state:
-                    state[name] = torch.zeros_like(p, dtype=self._state_dtype(p))
+                    dtype = self._buffer_dtype(p) if name in muon.STATE_NAMES else None
+                    state[name] = torch.zeros_like(p, dtype=dtype or self._state_dtype(p))
                 out[k].append(state[name])
         return out
+
+    def _restore_state_tensor(self, key: str, value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        restored = super()._restore_state_tensor(key, value, p)
+        if key in muon.STATE_NAMES:
+            return restored.to(self._buffer_dtype(p))
+        return restored
 
     def _group_tensors(self, group: dict, params: list) -> tuple:
         math_params, outs = self._masters(params)
@@ -224,8 +237,10 @@ def _muon_step(group: dict, grads: list, params: list, bufs: list, batches: tupl
     # in place (torch 2.13 does that to bf16 buffers without Nesterov)
     updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
     decay = 1 - lr * group["weight_decay"]
-    if decay != 1:
-        torch._foreach_mul_(params, decay)
+    if decay != 1:  # a tensor factor: a float one is rounded to a bf16 list's dtype, torch's is not
+        torch._foreach_mul_(
+            params, torch.tensor(decay, dtype=torch.float64, device=params[0].device)
+        )
     coefficients = muon.coefficient_triples(group["ns_coefficients"], group["ns_steps"])
     for rows, cols, indices, counts in batches:
         stack = torch.empty(
