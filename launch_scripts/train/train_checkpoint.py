@@ -8,14 +8,12 @@ import dataclasses
 import importlib
 import os
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig
-
-if TYPE_CHECKING:  # train_setup imports the flags, which import this module
-    from train_setup import Env
+from train_env import Env
 
 # -- checkpoints ----------------------------------------------------------------------------------
 

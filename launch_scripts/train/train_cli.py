@@ -1,10 +1,9 @@
 """The training example's command line (train_gpt.py): the flags, their checks and
-defaults, and the optimizer choices."""
+defaults (each optimizer's from train_optimizer.py)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -15,28 +14,7 @@ import torch
 from data import DataError, load_corpus
 from gpt import PRESETS
 from train_checkpoint import is_checkpoint
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerSpec:
-    """A shardopt optimizer family and the defaults that train the tiny model well."""
-
-    class_name: str  # the single-process class; the ZeRO class is "Distributed" + class_name
-    lr: float
-    weight_decay: float
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-OPTIMIZERS = {
-    "adam": OptimizerSpec("FusedAdam", lr=1e-2, weight_decay=0.1, kwargs={"betas": (0.9, 0.95)}),
-    "lamb": OptimizerSpec("FusedLAMB", lr=1e-2, weight_decay=0.01),
-    "novograd": OptimizerSpec(
-        "FusedNovoGrad", lr=0.3, weight_decay=1e-3, kwargs={"betas": (0.95, 0.98)}
-    ),
-    "sgd": OptimizerSpec("FusedSGD", lr=0.3, weight_decay=0.0, kwargs={"momentum": 0.9}),
-    "adagrad": OptimizerSpec("FusedAdagrad", lr=3e-2, weight_decay=0.0),
-}
-
+from train_optimizer import OPTIMIZERS
 
 # -- command line ---------------------------------------------------------------------------------
 

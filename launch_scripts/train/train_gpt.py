@@ -14,9 +14,9 @@ world-size-independent batches in data.py) and reach the same weights.
 The default corpus is a synthetic Markov chain with a known entropy rate (data.py): the trainer
 prints that loss floor next to the final train and validation loss.
 
-The roles live beside it: train_cli.py (flags), train_setup.py (processes, optimizer, schedule),
-train_checkpoint.py, train_step.py (model, optimizer, one step), train_report.py (banner, progress,
-outputs). This file is the training loop.
+The roles live beside it: train_cli.py (flags), train_env.py (processes), train_optimizer.py
+(optimizer choices, optimizer, schedule), train_checkpoint.py, train_step.py (model, optimizer, one
+step), train_report.py (banner, progress, outputs). This file is the training loop.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from train_cli import parse_args
+from train_env import Env, init_distributed
+from train_optimizer import learning_rate
 from train_report import Progress, banner, describe, save_outputs
-from train_setup import Env, init_distributed, learning_rate
 from train_step import Trainer
 
 __all__ = ["main", "parse_args", "train"]

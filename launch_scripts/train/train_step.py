@@ -21,7 +21,8 @@ from train_checkpoint import (
     save_checkpoint,
     sharded_checkpoint_module,
 )
-from train_setup import Env, build_optimizer, learning_rate
+from train_env import Env
+from train_optimizer import build_optimizer, learning_rate
 
 # -- training -------------------------------------------------------------------------------------
 

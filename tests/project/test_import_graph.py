@@ -3,7 +3,13 @@ functions included): no cycle, no module over 500 lines (shardopt/reference.py e
 docs/testing.md says why), the kernel layer imports nothing above it, the algorithms (one
 definition each, shared by the single-process and the ZeRO classes) import only the kernel layer
 below them, and zero/ does not import checkpoint/ (checkpoint/ calls zero's public state I/O,
-never the reverse)."""
+never the reverse).
+
+launch_scripts/ (docs/design.md, Note: launch_scripts) is held to a stricter count: an import under
+``if TYPE_CHECKING:`` is an edge too (a dependence for the annotations is still a dependence), so
+no cycle hides behind the guard; module names are unique across its folders; a module importing
+another folder's module puts that folder on sys.path itself; every name imported from a sibling is
+defined there."""
 
 from __future__ import annotations
 
@@ -184,3 +190,99 @@ def test_zero_does_not_import_checkpoint():
         if dep.startswith("shardopt.checkpoint")
     }
     assert not bad, f"zero/ -> checkpoint/ imports: {sorted(bad)}"
+
+
+# -- launch_scripts/ ------------------------------------------------------------------------------
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "launch_scripts"
+
+
+def _script_modules() -> dict[str, Path]:
+    """launch_scripts' modules by bare name (how they import each other), in every folder."""
+    out: dict[str, Path] = {}
+    for path in sorted(SCRIPTS.rglob("*.py")):
+        assert path.stem not in out, f"{path} and {out[path.stem]}: one bare name, two modules"
+        out[path.stem] = path
+    return out
+
+
+SCRIPT_MODULES = _script_modules()
+
+
+def _script_imports(path: Path) -> dict[str, set[str]]:
+    """The launch_scripts modules ``path`` imports anywhere (at the top, inside functions, under
+    ``if TYPE_CHECKING:``), each with the names taken from it (empty for ``import x``)."""
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.setdefault(alias.name.split(".")[0], set())
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.setdefault(node.module, set()).update(a.name for a in node.names)
+    return {m: names for m, names in found.items() if m in SCRIPT_MODULES and m != path.stem}
+
+
+SCRIPT_IMPORTS = {name: _script_imports(path) for name, path in SCRIPT_MODULES.items()}
+SCRIPT_GRAPH = {name: set(deps) for name, deps in SCRIPT_IMPORTS.items()}
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """What ``from <module> import name`` can take: the module's top-level definitions."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def test_the_launch_scripts_graph_counts_type_checking_imports(tmp_path):
+    """The stricter parser is not blind: imports in functions and under TYPE_CHECKING are edges."""
+    assert {"train_cli", "train_step"} <= SCRIPT_GRAPH["train_gpt"]
+    assert "gpt" in SCRIPT_GRAPH["bench_offload_peers"]  # across folders
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from train_cli import OPTIMIZERS\n"
+        "def f():\n    import gpt\n"
+    )
+    assert _script_imports(source) == {"train_cli": {"OPTIMIZERS"}, "gpt": set()}
+
+
+def test_no_import_cycle_in_launch_scripts():
+    cycles = _cycles(SCRIPT_GRAPH)
+    assert not cycles, "launch_scripts import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_launch_scripts_imports_across_folders_put_the_folder_on_the_path():
+    """A bare-name import of another folder's module works only with that folder on sys.path: the
+    importing module inserts it itself (docs/design.md, Note: launch_scripts), whoever imports
+    it."""
+    missing = []
+    for name, deps in SCRIPT_GRAPH.items():
+        path = SCRIPT_MODULES[name]
+        for dep in deps:
+            folder = SCRIPT_MODULES[dep].parent.name
+            insert = f'parents[1] / "{folder}"'
+            if folder != path.parent.name and insert not in path.read_text():
+                missing.append(f"{path.relative_to(SCRIPTS)} imports {dep} ({folder}/)")
+    assert not missing, "imports across folders without their sys.path insert:\n" + "\n".join(
+        missing
+    )
+
+
+def test_launch_scripts_import_names_their_siblings_define():
+    """``from sibling import name``: ``name`` is defined at the top of ``sibling`` (a split that
+    moved it leaves the importer failing only when run)."""
+    missing = [
+        f"{name} imports {sorted(names - defined)} from {dep}"
+        for name, imports in SCRIPT_IMPORTS.items()
+        for dep, names in imports.items()
+        if names - {"*"} - (defined := _top_level_names(SCRIPT_MODULES[dep]))
+    ]
+    assert not missing, "\n".join(missing)
