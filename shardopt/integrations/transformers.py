@@ -37,14 +37,11 @@ log = logging.getLogger("shardopt.integrations")
 _SAVE = "_save_optimizer_and_scheduler"  # Trainer's method writing optimizer.pt and the scheduler
 
 
-def _sharded_optimizer(optimizer: Any) -> DistributedOptimizer | None:
-    """The DistributedFused* optimizer inside Trainer's optimizer (Accelerate's wrapper keeps
-    it as ``.optimizer``), or None."""
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, DistributedOptimizer) and seen < 8:
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return optimizer if isinstance(optimizer, DistributedOptimizer) else None
+def _is_sharded(optimizer: Any) -> bool:
+    """Whether Trainer's optimizer is a DistributedFused* optimizer, or Accelerate's wrapper of
+    one (which keeps it as ``.optimizer``)."""
+    inner = getattr(optimizer, "optimizer", None)
+    return isinstance(optimizer, DistributedOptimizer) or isinstance(inner, DistributedOptimizer)
 
 
 def save_optimizer_on_every_rank(
@@ -54,7 +51,7 @@ def save_optimizer_on_every_rank(
     state dict taken on every rank first (a collective), so that the rank that writes it does
     not call it alone. Other optimizers go to ``save`` unchanged."""
     optimizer = trainer.optimizer
-    if _sharded_optimizer(optimizer) is None:
+    if not _is_sharded(optimizer):
         save(output_dir)
         return
     state = optimizer.state_dict()  # every rank: the full state on each rank's CPU

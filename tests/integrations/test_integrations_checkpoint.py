@@ -1,7 +1,8 @@
 """Checkpoints through every stack at world 2 on gloo, with DistributedFusedAdam holding the
 params: HF Trainer's own save/resume (save_strategy="steps", resume_from_checkpoint), with and
-without CPU offload; Accelerate's save_state/load_state with its defaults (safetensors), with and
-without offload; transformers' save_pretrained, safetensors' save_model/load_model and plain
+without CPU offload (shardopt's Trainer, and a transformers.Trainer through patch_trainer);
+Accelerate's save_state/load_state with its defaults (safetensors), with and without offload;
+transformers' save_pretrained, safetensors' save_model/load_model and plain
 torch.save(model.state_dict()). Each: the weights and the optimizer state read back are exactly
 the saved ones, and training resumed from the checkpoint ends where the uninterrupted run ends
 (1e-5). Lightning's checkpoint callback is in test_integrations_lightning.py."""
@@ -119,7 +120,7 @@ def _trainer_run(out, offload, resume_from=None):
     optimizer state when saving at step 2, or when the resumed run began."""
     import transformers
 
-    from shardopt.integrations.transformers import Trainer
+    from shardopt.integrations.transformers import Trainer, patch_trainer
 
     seen = {}
 
@@ -153,9 +154,11 @@ def _trainer_run(out, offload, resume_from=None):
         seed=0,
     )
     opt = shardopt.DistributedFusedAdam(model.parameters(), lr=LR, weight_decay=WD, offload=offload)
-    trainer = Trainer(
-        model=model, args=args, train_dataset=Data(), optimizers=(opt, None), callbacks=[Watch()]
-    )
+    kw = dict(model=model, args=args, train_dataset=Data(), optimizers=(opt, None))
+    if offload is None:
+        trainer = Trainer(**kw, callbacks=[Watch()])
+    else:  # the other way in: an existing transformers.Trainer, patched
+        trainer = patch_trainer(transformers.Trainer(**kw, callbacks=[Watch()]))
     trainer.train(resume_from_checkpoint=resume_from)
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     opt.close()
@@ -185,7 +188,7 @@ def trainer_resumes(rank, world):
 
 
 def trainer_resumes_offload(rank, world):
-    """The same with offload="cpu"."""
+    """The same with offload="cpu", through patch_trainer(transformers.Trainer(...))."""
     _trainer_resumes(rank, world, "cpu")
 
 
