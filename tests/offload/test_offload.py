@@ -621,9 +621,10 @@ def memory_split(rank, world):
         (key,) = off.keys
         chunk = max(b.chunk_numel for b in key.layout.buckets)
         # exact-size slots: grads in their sync dtype (fp32 here), params out in theirs (a bf16
-        # key's fp32 master writes bf16 params into its out slots; fp32 params are updated in
-        # their host copy, no out slot)
-        staging = 4 * chunk * (4 + (2 if dtype == BF16 else 0))
+        # key's fp32 master writes bf16 params into its out slots; fp32 params come down into
+        # slots of their own, for their host copy to take them, and are updated in that copy,
+        # no out slot: Note: the offloaded step)
+        staging = 4 * chunk * (4 + (2 if dtype == BF16 else 4))
         # a separate fp32 host master, for fp32 params too
         assert host == {"master": shard * 4, "exp_avg": shard * 4, "exp_avg_sq": shard * 4,
                         "staging": staging}, (host, staging)  # fmt: skip
