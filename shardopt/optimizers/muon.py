@@ -237,10 +237,11 @@ def _muon_step(group: dict, grads: list, params: list, bufs: list, batches: tupl
     # in place (torch 2.13 does that to bf16 buffers without Nesterov)
     updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
     decay = 1 - lr * group["weight_decay"]
-    if decay != 1:  # a tensor factor: a float one is rounded to a bf16 list's dtype, torch's is not
-        torch._foreach_mul_(
-            params, torch.tensor(decay, dtype=torch.float64, device=params[0].device)
-        )
+    if decay != 1:
+        # torch's p.mul_(decay) computes in fp32 for bf16 params; _foreach_mul_ with a float
+        # rounds the factor to bf16 on CPU, with a CPU 0-dim tensor it does not (on CUDA lists
+        # torch reads that tensor as a host scalar, its opmath path)
+        torch._foreach_mul_(params, torch.tensor(decay, dtype=torch.float64))
     coefficients = muon.coefficient_triples(group["ns_coefficients"], group["ns_steps"])
     for rows, cols, indices, counts in batches:
         stack = torch.empty(
