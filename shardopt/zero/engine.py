@@ -471,7 +471,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         # backward and step in offload_backward.py)
         offload_backward.before_state_io(self, call)
 
-    # -- introspection and DCP -------------------------------------------------------------------
+    # -- introspection ---------------------------------------------------------------------------
 
     def memory_bytes(self, where: str = "device") -> dict[str, int]:
         """Bytes of every persistent buffer this optimizer holds, summed over keys.
@@ -491,21 +491,3 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         if where == "host" and self._offload_pipeline is not None:
             out["staging"] = self._offload_pipeline.staging_bytes()
         return out
-
-    def sharded_state_dict(self, model: torch.nn.Module | None = None) -> dict[str, Any]:
-        """The state as DTensors for ``torch.distributed.checkpoint``, keyed by ``model``'s FQNs
-        when given (collective); see ``shardopt.zero.dcp_state``. Load with ``dcp.load`` then
-        ``load_sharded_state_dict``."""
-        from shardopt.zero.dcp_state import sharded_state_dict
-
-        self.enter_collective("sharded_state_dict()")
-        return sharded_state_dict(self, model)
-
-    def load_sharded_state_dict(
-        self, state_dict: dict[str, Any], model: torch.nn.Module | None = None
-    ) -> None:
-        """Finishes a ``torch.distributed.checkpoint.load`` into ``sharded_state_dict()``."""
-        from shardopt.zero.dcp_state import load_sharded_state_dict
-
-        self.enter_collective("load_sharded_state_dict()")
-        load_sharded_state_dict(self, state_dict, model)

@@ -339,3 +339,23 @@ class StateIO:
         self.sharded.refresh_masters(force=True)
         self.import_param_groups(saved_groups)
         self.publish_masters()
+
+    # -- torch.distributed.checkpoint --------------------------------------------------------------
+
+    def sharded_state_dict(self, model: torch.nn.Module | None = None) -> dict[str, Any]:
+        """The state as DTensors for ``torch.distributed.checkpoint``, keyed by ``model``'s FQNs
+        when given (collective); see ``shardopt.zero.dcp_state``. Load with ``dcp.load`` then
+        ``load_sharded_state_dict``."""
+        from shardopt.zero.dcp_state import sharded_state_dict
+
+        self.enter_collective("sharded_state_dict()")
+        return sharded_state_dict(self, model)
+
+    def load_sharded_state_dict(
+        self, state_dict: dict[str, Any], model: torch.nn.Module | None = None
+    ) -> None:
+        """Finishes a ``torch.distributed.checkpoint.load`` into ``sharded_state_dict()``."""
+        from shardopt.zero.dcp_state import load_sharded_state_dict
+
+        self.enter_collective("load_sharded_state_dict()")
+        load_sharded_state_dict(self, state_dict, model)
