@@ -57,6 +57,9 @@ def set_group_value(group: dict, name: str, value: Any) -> None:
 class StateIO:
     """Mixin of ``DistributedOptimizer``: the interface above plus the torch.optim state dict."""
 
+    #: (the groups' steps, the state dict) kept by ``consolidate_state_dict`` on its rank ``to``
+    _consolidated: tuple[tuple[float, ...], dict[str, Any]] | None = None
+
     # -- the interface ---------------------------------------------------------------------------
 
     def shard_fragments(self, writable: bool = False) -> Iterator[ShardFragment]:
@@ -202,6 +205,9 @@ class StateIO:
         pre-hook gets the optimizer, a post-hook the optimizer and the finished dict, and what a
         post-hook returns (not None) replaces the dict. Collective.
         """
+        kept, self._consolidated = self._consolidated, None
+        if kept is not None and kept[0] == self._steps_taken():
+            return kept[1]  # consolidate_state_dict() made it on every rank, no step since
         self.enter_collective("state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -211,6 +217,20 @@ class StateIO:
             if result is not None:
                 sd = result
         return sd
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """torch's ``ZeroRedundancyOptimizer`` call, for scripts ported from it: collective;
+        afterwards ``state_dict()`` on the rank ``to`` (a global rank) alone returns the whole
+        state without a collective, until the next step. shardopt's ``state_dict()`` is itself
+        the collective that returns the whole state on every rank: new code calls it on every
+        rank instead (docs/migration.md, "From ZeroRedundancyOptimizer").
+        """
+        sd = self.state_dict()
+        mine = comm.global_rank(self.process_group, self.rank) == to
+        self._consolidated = (self._steps_taken(), sd) if mine else None
+
+    def _steps_taken(self) -> tuple[float, ...]:
+        return tuple(float(g["step"]) for g in self.param_groups)
 
     @torch.no_grad()
     def _gather_state_dict(self) -> dict[str, Any]:
