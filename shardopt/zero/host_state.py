@@ -25,16 +25,13 @@ the host kernels read from the step (grad scale, found_inf, step, lr) are host t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from shardopt.zero import host_memory
 from shardopt.zero.flat_buffer import KeyBuffers
-
-if TYPE_CHECKING:  # update_calls imports sharded_params, which imports this module
-    from shardopt.zero.update_calls import Call
+from shardopt.zero.layout import Range
 
 
 @contextlib.contextmanager
@@ -96,14 +93,17 @@ def stage_grads(buf: KeyBuffers) -> None:
 
 
 @torch.no_grad()
-def publish(buf: KeyBuffers, calls: list[Call], skipped: bool) -> None:
-    """The values this step's kernel ``calls`` wrote into the sync space (only those: a skipped
-    param's slot in the out slot was never written; ``out_by_copy`` keys are written by
+def publish(
+    buf: KeyBuffers, written: Iterable[tuple[Sequence[Range], Sequence[Range]]], skipped: bool
+) -> None:
+    """The values this step's kernel calls wrote into the sync space: ``written`` holds each
+    call's (shard ranges, space ranges), and only those are copied (a skipped param's slot in
+    the out slot was never written; ``out_by_copy`` keys are written by
     ``ParamSync.write_sync_space`` from the host masters); frees the step's host buffers."""
     if not skipped and not buf.out_by_copy:
         source = buf.master if buf.master_kind != "copy" else buf.host_out
-        for call in calls:
-            for shard_r, space_r in zip(call.shard_ranges, call.space_ranges):
+        for shard_ranges, space_ranges in written:
+            for shard_r, space_r in zip(shard_ranges, space_ranges):
                 buf.sync_space.narrow(0, space_r.start, space_r.numel).copy_(
                     buf.shard_slice(source, shard_r)
                 )

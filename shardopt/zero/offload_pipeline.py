@@ -131,7 +131,7 @@ class OffloadPipeline:
             out_dtype = buf.sync_space.dtype if buf.master_kind == "copy" else None
             if out_dtype is not None and not buf.out_by_copy:
                 self.out_slots[key.index] = ring(out_dtype)
-            if buf.master_kind in ("remainder", "param"):  # (see ``_update``)
+            if buf.master_kind in ("remainder",):  # B-TMP
                 self.param_slots[key.index] = ring(buf.param_space.dtype)
         #: the thread that runs the offloaded updates (started by the first step)
         self.worker = OffloadWorker(device, switch_interval, cpus)
@@ -482,7 +482,8 @@ def update(optimizer, scalars) -> None:
     with host_state.threads(plan.threads):
         optimizer._update(scalars)
     for key in offloaded:
-        host_state.publish(key.buffers, optimizer._calls(key), skipped)
+        written = [(c.shard_ranges, c.space_ranges) for c in optimizer._calls(key)]
+        host_state.publish(key.buffers, written, skipped)
 
 
 def close(optimizer) -> None:

@@ -5,11 +5,10 @@ definition each, shared by the single-process and the ZeRO classes) import only 
 below them, and zero/ does not import checkpoint/ (checkpoint/ calls zero's public state I/O,
 never the reverse).
 
-launch_scripts/ (docs/design.md, Note: launch_scripts) is held to a stricter count: an import under
-``if TYPE_CHECKING:`` is an edge too (a dependence for the annotations is still a dependence), so
-no cycle hides behind the guard; module names are unique across its folders; a module importing
-another folder's module puts that folder on sys.path itself; every name imported from a sibling is
-defined there."""
+Imports under ``if TYPE_CHECKING:`` are edges in both graphs. launch_scripts/ (docs/design.md,
+Note: launch_scripts) is also held to: module names are unique across its folders; a module
+importing another folder's module puts that folder on sys.path itself; every name imported from a
+sibling is defined there."""
 
 from __future__ import annotations
 
@@ -40,27 +39,17 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(name: str, path: Path) -> set[str]:
-    """The shardopt modules ``name`` imports, at any depth of its code (not under
-    ``if TYPE_CHECKING:``, which never runs). ``from pkg import x`` is an import of ``pkg.x``
-    when that is a module, else of ``pkg``; a package's parents, which Python initialises first,
-    are not edges (a package's __init__ importing its own modules is no cycle)."""
+    """The shardopt modules ``name`` imports, at any depth of its code, under
+    ``if TYPE_CHECKING:`` too (a dependence for the annotations is still a dependence: no cycle
+    hides behind the guard). ``from pkg import x`` is an import of ``pkg.x`` when that is a
+    module, else of ``pkg``; a package's parents, which Python initialises first, are not edges
+    (a package's __init__ importing its own modules is no cycle)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             for alias in node.names:
                 found.add(alias.name)
@@ -141,6 +130,16 @@ def test_the_graph_sees_function_level_imports():
     assert "shardopt.kernels.loader" in GRAPH["shardopt.kernels.dispatch"]
     assert "shardopt.kernels.custom_ops" in GRAPH["shardopt.kernels.ops"]  # inside a function
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_the_graph_counts_type_checking_imports(tmp_path):
+    """An import under ``if TYPE_CHECKING:`` is an edge of shardopt's graph too."""
+    path = tmp_path / "guarded.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from shardopt.zero.update_calls import Call\n"
+    )
+    assert "shardopt.zero.update_calls" in _imports("shardopt.zero.guarded", path)
 
 
 def test_no_import_cycle():
