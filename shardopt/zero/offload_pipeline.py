@@ -131,7 +131,7 @@ class OffloadPipeline:
             out_dtype = buf.sync_space.dtype if buf.master_kind == "copy" else None
             if out_dtype is not None and not buf.out_by_copy:
                 self.out_slots[key.index] = ring(out_dtype)
-            if buf.master_kind in ("remainder",):  # B-TMP
+            if buf.master_kind in ("remainder", "param"):  # (see ``_update``)
                 self.param_slots[key.index] = ring(buf.param_space.dtype)
         #: the thread that runs the offloaded updates (started by the first step)
         self.worker = OffloadWorker(device, switch_interval, cpus)
