@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_harness import run_cases
+from hf_tiny import Data, TinyNet, set_env
 
 import shardopt
 
@@ -30,46 +31,9 @@ LR, WD, MAX_NORM = 1e-2, 0.1, 1.0
 RESUMED = dict(rtol=1e-5, atol=1e-7)  # resumed run against the uninterrupted one
 
 
-class TinyNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(6, 16)
-        self.b = nn.Linear(16, 3)
-
-    def forward(self, x, labels=None):
-        out = self.b(torch.tanh(self.a(x)))
-        if labels is None:
-            return {"logits": out}
-        return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
-
-
-class Data(torch.utils.data.Dataset):
-    """16 samples; targets large enough that the grad norm exceeds MAX_NORM (clipping acts)."""
-
-    def __init__(self):
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(16, 6, generator=g)
-        self.y = 10 * torch.randn(16, 3, generator=g)
-
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.y[i]}
-
-
 def _env(rank, world):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29534",
-        ACCELERATE_USE_CPU="true",
-        SHARDOPT_ARRIVAL_TIMEOUT="10",  # a save on one rank fails in 10 s, not 30
-    )
+    # SHARDOPT_ARRIVAL_TIMEOUT: a save on one rank fails in 10 s, not 30
+    set_env(rank, world, 29534, SHARDOPT_ARRIVAL_TIMEOUT="10")
 
 
 def _reset_accelerate():

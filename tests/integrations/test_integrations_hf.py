@@ -4,13 +4,13 @@ torch.optim.AdamW under DDP; torch's clip_grad_norm_ routes to the optimizer or 
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest
 import torch
 import torch.nn as nn
 from dist_harness import run_cases
+from hf_tiny import Data, TinyNet, set_env
 
 import shardopt
 
@@ -20,45 +20,8 @@ LR, WD, MAX_NORM = 1e-2, 0.1, 1.0
 REL = 1e-4
 
 
-class TinyNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(6, 16)
-        self.b = nn.Linear(16, 3)
-
-    def forward(self, x, labels=None):
-        out = self.b(torch.tanh(self.a(x)))
-        if labels is None:
-            return {"logits": out}
-        return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
-
-
-class Data(torch.utils.data.Dataset):
-    """16 samples; targets large enough that the grad norm exceeds MAX_NORM (clipping acts)."""
-
-    def __init__(self):
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(16, 6, generator=g)
-        self.y = 10 * torch.randn(16, 3, generator=g)
-
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.y[i]}
-
-
 def _env(rank, world):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29533",
-        ACCELERATE_USE_CPU="true",
-    )
+    set_env(rank, world, 29533)
 
 
 def _reset_accelerate():
