@@ -517,8 +517,3 @@ def test_feature(results, case):
 def test_redundant_process_group_world4():
     err = run_cases([redundant_group_hsdp], 4)["redundant_group_hsdp"]
     assert err is None, err
-
-
-def test_needs_init_process_group():
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        shardopt.DistributedFusedAdam([nn.Parameter(torch.zeros(2))])
