@@ -190,8 +190,6 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self._offload_settings = offload_settings
         self._build(name)
         groups = [process_group] + [g for g in (redundant_process_group,) if g is not None]
-        if self.config.capturable:
-            groups = []  # no host sync in a step that may be captured
         #: the first steps' comparison of params no optimizer holds (Note: unsynced params)
         self._unsynced = unsynced.UnsyncedCheck(name, self.params, groups)
         apex_compat.check_device(name, apex["device"], self.device)
