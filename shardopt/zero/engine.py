@@ -67,7 +67,6 @@ from shardopt.zero import (
     sharded_params,
     state_storage,
     torch_clip,
-    unsynced,
     user_buffers,
 )
 from shardopt.zero.amp import AmpClip, StepScalars
@@ -189,9 +188,6 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self._bucket_cap_chosen = cap_chosen(bucket_cap_mb)
         self._offload_settings = offload_settings
         self._build(name)
-        groups = [process_group] + [g for g in (redundant_process_group,) if g is not None]
-        #: the first steps' comparison of params no optimizer holds (Note: unsynced params)
-        self._unsynced = unsynced.UnsyncedCheck(name, self.params, groups)
         apex_compat.check_device(name, apex["device"], self.device)
         # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
         torch_clip.install()
@@ -292,7 +288,6 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         """Removes the grad hooks and finishes in-flight param sync (the optimizer is unusable)."""
         offload_pipeline.close(self)  # wait_param_sync(), then the offload worker stops
         self.grad_sync.remove_hooks()
-        self._unsynced.close()
         sharded_params.release(self.params, self)
 
     # -- grad sync, norms, param sync --------------------------------------------------------------
@@ -367,7 +362,6 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._unsynced.check()  # the first steps only (Note: unsynced params)
         self.drop_staged()
         self.wait_param_sync()
         binding_error = None
