@@ -124,7 +124,7 @@ def cpu_update(n_params: int, spec: Spec) -> dict[str, Any]:
     BENCH_OFFLOAD_HUGE_PAGES says)."""
     import shardopt
     from shardopt import kernels as _ops
-    from shardopt.zero import host_memory
+    from shardopt.zero.offload import host_memory
 
     huge = huge_pages()
     if huge is None:

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float]]:
     args = ap.parse_args(argv)
     import_shardopt()
     from shardopt import kernels as K
-    from shardopt.zero import host_memory
+    from shardopt.zero.offload import host_memory
 
     torch.set_num_threads(args.threads)
     nb, n = args.buckets, args.numel

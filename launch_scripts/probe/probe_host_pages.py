@@ -26,7 +26,7 @@ import time
 import torch
 
 from shardopt import kernels as K
-from shardopt.zero import host_memory
+from shardopt.zero.offload import host_memory
 
 PAGES = {
     "4k": dict(huge_pages=False),

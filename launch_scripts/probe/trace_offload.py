@@ -37,9 +37,9 @@ from bench_offload_worker import init_process_group  # noqa: E402
 
 import shardopt.kernels as kernels  # noqa: E402
 import shardopt.zero.engine as eng  # noqa: E402
-import shardopt.zero.offload_pipeline as op  # noqa: E402
-import shardopt.zero.offload_slots as slots  # noqa: E402
-import shardopt.zero.offload_worker as ow  # noqa: E402
+import shardopt.zero.offload.pipeline as op  # noqa: E402
+import shardopt.zero.offload.slots as slots  # noqa: E402
+import shardopt.zero.offload.worker as ow  # noqa: E402
 import shardopt.zero.optimizers as zo  # noqa: E402
 
 p = argparse.ArgumentParser()

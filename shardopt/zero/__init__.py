@@ -1,7 +1,7 @@
 """The ZeRO sharding engine and the DistributedFused* optimizers."""
 
 from shardopt.zero.hsdp import HSDPGroups, hsdp_groups
-from shardopt.zero.offload_plan import CPUOffload
+from shardopt.zero.offload.plan import CPUOffload
 from shardopt.zero.optimizers import (
     DistributedFusedAdagrad,
     DistributedFusedAdam,

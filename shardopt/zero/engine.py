@@ -56,21 +56,26 @@ import torch
 
 from shardopt import kernels as _ops
 from shardopt.optimizers.fused_optimizer import check_param_dtypes
-from shardopt.zero import (
-    apex_compat,
-    comm,
-    host_state,
-    offload_auto,
-    offload_backward,
-    offload_pipeline,
-    offload_plan,
-    sharded_params,
-    state_storage,
-    torch_clip,
-    user_buffers,
-)
+from shardopt.zero import comm, sharded_params, state_storage, torch_clip
 from shardopt.zero.amp import AmpClip, StepScalars
+from shardopt.zero.apex import compat as apex_compat
+from shardopt.zero.apex import user_buffers
 from shardopt.zero.grad_sync import GradSync
+from shardopt.zero.offload import (
+    auto as offload_auto,
+)
+from shardopt.zero.offload import (
+    backward as offload_backward,
+)
+from shardopt.zero.offload import (
+    host_state,
+)
+from shardopt.zero.offload import (
+    pipeline as offload_pipeline,
+)
+from shardopt.zero.offload import (
+    plan as offload_plan,
+)
 from shardopt.zero.param_sync import ParamSync
 from shardopt.zero.settings import (
     DEFAULT_BUCKET_CAP_MB,
@@ -166,7 +171,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         #: the NUMA placement of the offloaded host state and update (None: not placed)
         self._offload_placement = placement
         fraction = offload_auto.agreed_fraction(self, offload_settings, storage, process_group)
-        #: the NCCL-registered pool of ``nccl_ub=True`` (shardopt/zero/user_buffers.py), or None
+        #: the NCCL-registered pool of ``nccl_ub=True`` (zero/apex/user_buffers.py), or None
         self._user_buffers = ub
         self.process_group = process_group
         self.config = ShardingConfig(

@@ -33,8 +33,8 @@ from contextlib import AbstractContextManager
 import torch
 
 from shardopt import state_codec
-from shardopt.zero import host_memory
 from shardopt.zero.layout import Bucket, Fragment, KeyLayout, Range
+from shardopt.zero.offload import host_memory
 from shardopt.zero.state_storage import Storage
 
 #: Note: views kept for the update thread. An offloaded key's update runs bucket by bucket on
@@ -58,15 +58,15 @@ from shardopt.zero.state_storage import Storage
 #: update from 0.29-0.43 to 0.26-0.32 ms: the GIL wait when the kernel call returns is left.
 VIEWS_KEPT = 4096
 
-#: Note: a param's own storage. Savers that deduplicate tensors by storage take views of one
-#: storage for tied weights: with the params plain views of ``param_space``, Accelerate's
-#: ``save_state`` (safetensors) wrote one param per key ("Removed shared tensor ... while
-#: saving") and its ``load_state`` failed, safetensors' ``save_model`` refused to save, and
-#: transformers' ``save_pretrained`` cloned every param first. So a param is bound to ``torch.from_dlpack`` of
-#: its view: the same memory (the optimizer and the all-gathers still write the params in place),
-#: a storage object of exactly the param's bytes, and the DLPack deleter keeps ``param_space``
-#: alive. No copy, no extra memory; ``torch.save`` writes each param's bytes (not the whole
-#: buffer once). Tested in tests/integrations/test_integrations_checkpoint.py.
+#: Note: a param's own storage. Savers that deduplicate tensors by storage take views of one storage
+#: for tied weights: with the params plain views of ``param_space``, Accelerate's ``save_state``
+#: (safetensors) wrote one param per key ("Removed shared tensor ... while saving") and its
+#: ``load_state`` failed, safetensors' ``save_model`` refused to save, and transformers'
+#: ``save_pretrained`` cloned every param first. So a param is bound to ``torch.from_dlpack`` of its
+#: view: the same memory (the optimizer and the all-gathers still write the params in place), a
+#: storage object of exactly the param's bytes, and the DLPack deleter keeps ``param_space`` alive.
+#: No copy, no extra memory; ``torch.save`` writes each param's bytes (not the whole buffer once).
+#: Tested in tests/integrations/test_integrations_checkpoint.py.
 
 
 def _view(t: torch.Tensor, r: Range) -> torch.Tensor:

@@ -19,7 +19,7 @@ from shardopt.algorithms.hyperparams import Hyperparams
 from shardopt.algorithms.validation import check_torch_flags
 from shardopt.zero import comm, state_storage
 from shardopt.zero.amp import StepScalars
-from shardopt.zero.apex_compat import APEX_DEFAULTS
+from shardopt.zero.apex.compat import APEX_DEFAULTS
 from shardopt.zero.engine import DistributedOptimizer
 from shardopt.zero.settings import show_sharding_args
 from shardopt.zero.update_calls import sum_by_param

@@ -42,9 +42,10 @@ import weakref
 
 import torch
 
-from shardopt.zero import comm, host_state
+from shardopt.zero import comm
 from shardopt.zero.grad_sync import BucketId
-from shardopt.zero.offload_worker import Progress
+from shardopt.zero.offload import host_state
+from shardopt.zero.offload.worker import Progress
 from shardopt.zero.sharded_params import ShardedParams
 from shardopt.zero.sync_bits import sync_to_params, write_sync
 

@@ -19,10 +19,11 @@ import torch
 
 from shardopt import kernels as _ops
 from shardopt.optimizers.fused_optimizer import LOW_PRECISION
-from shardopt.zero import comm, host_state
+from shardopt.zero import comm
 from shardopt.zero.flat_buffer import KeyBuffers
 from shardopt.zero.layout import KeyLayout, Range, plan_key
-from shardopt.zero.offload_plan import split_params
+from shardopt.zero.offload import host_state
+from shardopt.zero.offload.plan import split_params
 from shardopt.zero.state_storage import Storage
 from shardopt.zero.sync_bits import sync_to_params, write_sync
 
@@ -89,7 +90,7 @@ class ShardingConfig:
     capturable: bool
     skip_unused_params: bool
     storage: Storage = Storage()
-    #: NCCL user-buffer registration (shardopt/zero/user_buffers.py): persistent grad buffers
+    #: NCCL user-buffer registration (shardopt/zero/apex/user_buffers.py): persistent grad buffers
     nccl_ub: bool = False
     #: (engine param index, grad-sync dtype, param-sync dtype) of params given other dtypes by
     #: Apex's ``init_params(params, grad_sync_dtype=..., param_sync_dtype=...)``, by index

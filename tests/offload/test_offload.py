@@ -35,10 +35,10 @@ from torch import nn
 
 import shardopt
 from shardopt import checkpoint
-from shardopt.zero import host_memory, host_numa
 from shardopt.zero.layout import Range
-from shardopt.zero.offload_plan import plan_fraction, split_params, thread_budget
-from shardopt.zero.offload_worker import Progress, _SwitchInterval
+from shardopt.zero.offload import host_memory, host_numa
+from shardopt.zero.offload.plan import plan_fraction, split_params, thread_budget
+from shardopt.zero.offload.worker import Progress, _SwitchInterval
 
 ROOT = "SHARDOPT_TEST_OFFLOAD_ROOT"
 BF16 = torch.bfloat16
@@ -272,7 +272,7 @@ def huge_pages(rank, world):
     model's tensors take them) and on torch's allocator (``huge_pages=False``): the same bits as
     without offload, for the bucketwise path (Adam), a compact format and the whole-shard path
     (LAMB)."""
-    from shardopt.zero import host_memory
+    from shardopt.zero.offload import host_memory
 
     before = host_memory.MIN_BYTES
     host_memory.MIN_BYTES = 1

@@ -38,9 +38,9 @@ from test_offload import BF16, CLASSES, FORMATS, _model, _opt, _same, _train
 
 import shardopt
 from shardopt import checkpoint
-from shardopt.zero import offload_replan
-from shardopt.zero.offload_measure import BackwardTimer
-from shardopt.zero.offload_plan import plan_fraction
+from shardopt.zero.offload import replan as offload_replan
+from shardopt.zero.offload.measure import BackwardTimer
+from shardopt.zero.offload.plan import plan_fraction
 
 ENV = offload_replan.MEASURED_ENV
 ROOT = "SHARDOPT_TEST_OFFLOAD_AUTO_ROOT"

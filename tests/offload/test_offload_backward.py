@@ -1,6 +1,6 @@
 """CPU offload with updates during backward (``CPUOffload(overlap_backward=True)``): what may run
 between backward and ``step()`` (see Note: updates during backward in
-shardopt/zero/offload_backward.py), on gloo at worlds 1-3, against the same run without offload:
+shardopt/zero/offload/backward.py), on gloo at worlds 1-3, against the same run without offload:
 
 - state reads there (``state_dict()``, ``sharded_state_dict()``, ``shardopt.checkpoint.save``)
   raise on every rank and change nothing: the run then equals the one without offload bit for bit;

@@ -253,7 +253,7 @@ class _SlowBackward(torch.autograd.Function):
 def test_worker_overlaps_backward():
     """CPUOffload(overlap_backward=True): the same bits as overlap_backward=False (both run the
     CPU kernels), and the last layer's bucket is updated before backward ends."""
-    from shardopt.zero.offload_worker import Progress
+    from shardopt.zero.offload.worker import Progress
 
     runs = []
     for mode in (False, True):

@@ -26,7 +26,8 @@ from test_offload import BF16, _model, _opt, _same, _train
 from test_offload_auto import ENV, HALF, _forced
 
 import shardopt
-from shardopt.zero import host_memory, offload_plan
+from shardopt.zero.offload import host_memory
+from shardopt.zero.offload import plan as offload_plan
 
 
 def _history(name, dtype, offload, rank, **train_kw):

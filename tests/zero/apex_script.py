@@ -317,7 +317,7 @@ def nccl_user_buffers(rank, world):
             assert "nccl_ub" in str(e), e
             return
         raise AssertionError("nccl_ub=True was accepted on gloo")
-    from shardopt.zero import user_buffers
+    from shardopt.zero.apex import user_buffers
 
     reason = user_buffers.missing(_device(), [None])
     if reason is not None:  # this torch's NCCL cannot: a clear NotImplementedError

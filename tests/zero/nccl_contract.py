@@ -128,7 +128,7 @@ def nccl_user_buffers(rank, world):
             assert "nccl_ub" in str(e), e
             return
         raise AssertionError("nccl_ub=True was accepted on gloo")
-    from shardopt.zero import user_buffers
+    from shardopt.zero.apex import user_buffers
 
     reason = user_buffers.missing(dev, [None])
     if reason is not None:  # this torch's NCCL cannot: a clear NotImplementedError, every rank

@@ -256,7 +256,7 @@ def persistent_grad_buffers_match_transient(rank, world):
     """nccl_ub's persistent grad buffers (here without NCCL: the pool is a stand-in) give the
     bits of the transient ones through accumulation without no_sync, no_sync, a param unused on
     every rank and clipping; memory_bytes() counts them."""
-    from shardopt.zero import user_buffers
+    from shardopt.zero.apex import user_buffers
 
     models = [_model().append(nn.Linear(4, 4)) for _ in range(2)]  # the last one never used
     saved = user_buffers.check, user_buffers.UserBuffers

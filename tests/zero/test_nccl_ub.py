@@ -26,7 +26,7 @@ PRELUDE = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch import nn
     import shardopt
-    from shardopt.zero import user_buffers
+    from shardopt.zero.apex import user_buffers
     torch.cuda.set_device(0)
     store = dist.FileStore(tempfile.mktemp(), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1,

@@ -82,11 +82,11 @@ import threading
 
 import torch
 
-from shardopt.zero import host_state
 from shardopt.zero.layout import Range
-from shardopt.zero.offload_backward import EarlyUpdates
-from shardopt.zero.offload_slots import Slots
-from shardopt.zero.offload_worker import (
+from shardopt.zero.offload import host_state
+from shardopt.zero.offload.backward import EarlyUpdates
+from shardopt.zero.offload.slots import Slots
+from shardopt.zero.offload.worker import (
     OffloadWorker,
     Progress,
     forward_order,

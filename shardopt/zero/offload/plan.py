@@ -76,18 +76,19 @@ class CPUOffload:
             transparent huge pages (``MADV_HUGEPAGE``; a no-op where the OS has them off), their
             starts staggered: fewer TLB misses for the DRAM-bound update. Off by default until
             it is measured faster end to end (Note: huge pages for host state in
-            shardopt/zero/host_memory.py says what was measured). The values do not depend on it.
+            shardopt/zero/offload/host_memory.py says what was measured). The values do not
+            depend on it.
         switch_interval: seconds; while an offload worker thread runs, the interpreter's thread
             switch interval (``sys.setswitchinterval``) is lowered to this when it is larger, and
             put back when the last worker stops. The worker takes the GIL back after every
             kernel and copy call, and with Python's default (0.005 s) it can wait that long each
             time the training loop holds the GIL, with the update's threads idle (see Note: the
-            worker and the GIL in shardopt/zero/offload_worker.py). None: leave it as it is.
+            worker and the GIL in shardopt/zero/offload/worker.py). None: leave it as it is.
         numa_node: on a host with several NUMA nodes, the node whose memory holds the host
             state and whose CPUs run the update. ``"auto"``: the CUDA device's node, when there
             are at least as many local ranks as nodes with CPUs (else, and on a host with one
             node, nothing is placed); an int: that node; None: no placement (see Note: NUMA
-            placement in shardopt/zero/host_numa.py). The values do not depend on it.
+            placement in shardopt/zero/offload/host_numa.py). The values do not depend on it.
     """
 
     fraction: Fraction = 1.0

@@ -49,8 +49,10 @@ import os
 
 import torch
 
-from shardopt.zero import comm, host_memory, host_state, offload_measure, sharded_params
-from shardopt.zero.offload_plan import plan_fraction
+from shardopt.zero import comm, sharded_params
+from shardopt.zero.offload import host_memory, host_state
+from shardopt.zero.offload import measure as offload_measure
+from shardopt.zero.offload.plan import plan_fraction
 
 logger = logging.getLogger("shardopt")
 

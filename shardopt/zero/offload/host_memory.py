@@ -39,7 +39,7 @@ from collections.abc import Iterator
 
 import torch
 
-from shardopt.zero import host_numa
+from shardopt.zero.offload import host_numa
 
 #: the size of a transparent huge page on x86-64 and on arm64 with 4 KiB base pages
 HUGE_PAGE = 2 << 20

@@ -29,9 +29,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from shardopt.zero import host_memory
 from shardopt.zero.flat_buffer import KeyBuffers
 from shardopt.zero.layout import Range
+from shardopt.zero.offload import host_memory
 
 
 @contextlib.contextmanager

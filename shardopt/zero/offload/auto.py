@@ -19,24 +19,30 @@ from collections.abc import Iterator
 import torch
 
 from shardopt import kernels as _ops
-from shardopt.zero import (
-    comm,
+from shardopt.zero import comm
+from shardopt.zero.offload import (
     host_memory,
     host_numa,
     host_state,
-    offload_measure,
-    offload_pipeline,
-    offload_replan,
 )
-from shardopt.zero.host_numa import Placement
-from shardopt.zero.offload_plan import (
+from shardopt.zero.offload import (
+    measure as offload_measure,
+)
+from shardopt.zero.offload import (
+    pipeline as offload_pipeline,
+)
+from shardopt.zero.offload import (
+    replan as offload_replan,
+)
+from shardopt.zero.offload.host_numa import Placement
+from shardopt.zero.offload.plan import (
     CPUOffload,
     OffloadPlan,
     floor_fraction,
     local_ranks,
     thread_budget,
 )
-from shardopt.zero.offload_replan import at_boundary  # noqa: F401  (the engine's step boundary)
+from shardopt.zero.offload.replan import at_boundary  # noqa: F401  (the engine's step boundary)
 from shardopt.zero.state_storage import Storage
 
 logger = logging.getLogger("shardopt")

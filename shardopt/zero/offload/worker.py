@@ -59,7 +59,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardopt.zero import host_numa, host_state
+from shardopt.zero.offload import host_numa, host_state
 
 
 class Progress:

@@ -21,7 +21,7 @@ Mapping (Apex argument -> shardopt):
     DistributedFusedAdam (see Note: compact storage in state_storage.py); the other classes
     refuse them;
   - ``nccl_ub``: Apex's meaning: the buffers of the collectives come from an NCCL-registered
-    memory pool (shardopt/zero/user_buffers.py: torch's NCCL allocator, else shardopt's own),
+    memory pool (shardopt/zero/apex/user_buffers.py: torch's NCCL allocator, else shardopt's own),
     with persistent grad buffers as Apex's contiguous grad buffer; needs NCCL groups;
   - ``init_params(params, grad_sync_dtype=..., param_sync_dtype=...)``: Apex's per-param
     dtypes: those params get keys (buckets) of their own, the layout is re-planned (before the

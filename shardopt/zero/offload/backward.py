@@ -58,7 +58,7 @@ import torch
 from shardopt.zero import comm
 from shardopt.zero.amp import StepScalars
 from shardopt.zero.lockstep import PHASE_DROP
-from shardopt.zero.offload_worker import Progress, forward_order, frozen_view
+from shardopt.zero.offload.worker import Progress, forward_order, frozen_view
 
 _HOW = (
     "an update that starts during backward cannot know it; pass "

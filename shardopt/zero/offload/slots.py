@@ -14,8 +14,8 @@ import contextlib
 
 import torch
 
-from shardopt.zero import host_memory
 from shardopt.zero.flat_buffer import ChunkedShard
+from shardopt.zero.offload import host_memory
 
 
 class Slots:
