@@ -34,6 +34,12 @@ OPTIMIZERS = {
     ),
     "sgd": OptimizerSpec("FusedSGD", lr=0.3, weight_decay=0.0, kwargs={"momentum": 0.9}),
     "adagrad": OptimizerSpec("FusedAdagrad", lr=3e-2, weight_decay=0.0),
+    # Muon on the hidden matrices, AdamW (adam's betas) on the rest (shardopt.muon_param_groups);
+    # "match_rms_adamw" scales Muon's update to AdamW's RMS, so one lr and one schedule serve both
+    # parts (docs/muon.md, "Learning rates")
+    "muon": OptimizerSpec(
+        "FusedMuon", lr=1e-2, weight_decay=0.1, kwargs={"adjust_lr_fn": "match_rms_adamw"}
+    ),
 }
 
 
@@ -50,7 +56,7 @@ def build_optimizer(args: argparse.Namespace, model: GPT) -> torch.optim.Optimiz
     kwargs = dict(spec.kwargs, lr=args.lr)
     if args.optimizer == "lamb":
         kwargs["max_grad_norm"] = args.clip  # LAMB clips the global norm itself (0 = off)
-    groups = model.param_groups(args.weight_decay)
+    groups = _param_groups(args, model)
     if args.baseline == "ddp":
         return getattr(shardopt, spec.class_name)(groups, **kwargs)
     name = "Distributed" + spec.class_name
@@ -65,6 +71,28 @@ def build_optimizer(args: argparse.Namespace, model: GPT) -> torch.optim.Optimiz
 
         kwargs.update(hsdp_groups(args.shard_size)._asdict())
     return getattr(shardopt, name)(groups, **kwargs)
+
+
+def _param_groups(args: argparse.Namespace, model: GPT) -> list[dict]:
+    """The model's param groups for ``args.optimizer``: Muon's split (hidden matrices to Muon,
+    embeddings, the head and 1-D params to AdamW, norms and biases without decay), else decay
+    on matrices and embeddings only."""
+    if args.optimizer != "muon":
+        return model.param_groups(args.weight_decay)
+    groups = shardopt.muon_param_groups(
+        model, adamw_lr=args.lr, adamw_betas=OPTIMIZERS["adam"].kwargs["betas"]
+    )
+    out = []
+    for group in groups:
+        if group["use_muon"]:
+            out.append(dict(group, weight_decay=args.weight_decay))
+            continue
+        rest = dict(group)
+        params = rest.pop("params")
+        out.append(dict(rest, params=[p for p in params if p.dim() >= 2]))
+        out[-1]["weight_decay"] = args.weight_decay
+        out.append(dict(rest, params=[p for p in params if p.dim() < 2], weight_decay=0.0))
+    return [g for g in out if g["params"]]
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
