@@ -135,6 +135,105 @@ def matrix_shape(shape: Sequence[int], flatten: bool) -> tuple[int, int, int]:
     return math.prod(shape[:-2]), shape[-2], shape[-1]
 
 
+#: Newton-Schulz algorithms: "standard" (torch's, on X) or "gram" (on the n x n Gram X Xᵀ)
+NS_ALGORITHMS = ("standard", "gram")
+
+#: the steps after which Gram Newton-Schulz rebuilds X and its Gram (Dao-AILab/gram-newton-schulz)
+GRAM_RESTARTS = (2,)
+
+
+def ns_cost(
+    shape: Sequence[int],
+    flatten: bool = False,
+    ns_steps: int = 5,
+    ns_algorithm: str = "standard",
+    ns_split: Any = None,
+) -> float:
+    """Newton-Schulz FLOPs of one step of a param of ``shape`` (its logical matrices, see Note:
+    the logical matrices of a Muon param).
+
+    Per n x m matrix (n <= m): standard ``(20 n²m + 10 n³) * ns_steps / 5`` (each step
+    ``X Xᵀ``, ``A²`` and ``B X``, 2 FLOPs per multiply-add); Gram (``ns_algorithm="gram"``, a
+    matrix with m > n; a square one runs the standard iteration) counts its products exactly
+    (``8 n²m + 28 n³`` for 5 steps with the restart after step 2). Summed over the matrices.
+
+    Args:
+        shape: the param's shape (2 or more dims).
+        flatten: the group's ``flatten``.
+        ns_steps: Newton-Schulz steps.
+        ns_algorithm: "standard" or "gram".
+        ns_split: the group's ``ns_split`` (row blocks orthogonalized separately), or None.
+
+    Returns:
+        The FLOP count, a float (ranks are balanced by it: only ratios matter).
+
+    Example:
+        >>> ns_cost((4096, 4096))  # 30 n³
+        2061584302080.0
+    """
+    total = 0.0
+    for count, rows, cols in matrix_blocks(shape, flatten, ns_split):
+        n, m = min(rows, cols), max(rows, cols)
+        if ns_algorithm == "gram" and m > n:
+            flops = _gram_flops(n, m, ns_steps)
+        else:
+            flops = (20.0 * n * n * m + 10.0 * n**3) * ns_steps / 5
+        total += count * flops
+    return total
+
+
+def _gram_flops(n: int, m: int, ns_steps: int) -> float:
+    """FLOPs of ``gram_newton_schulz`` on one n x m matrix (n < m), product by product."""
+    restarts = [r for r in GRAM_RESTARTS if r < ns_steps]
+    rect = 2.0 + 2.0 * len(restarts)  # X Xᵀ at the start and each restart, Q X at each and the end
+    square = 0.0
+    bounds = [0, *restarts, ns_steps]
+    for start, stop in zip(bounds, bounds[1:]):
+        for step in range(start, stop):
+            square += 1  # R²
+            square += step > start  # Q ← P Q (the first step of a segment takes Q = P)
+            square += 2 * (step < stop - 1)  # R ← P R P, unless X is rebuilt next
+    return rect * 2.0 * n * n * m + square * 2.0 * n**3
+
+
+def matrix_blocks(
+    shape: Sequence[int], flatten: bool, ns_split: Any = None
+) -> list[tuple[int, int, int]]:
+    """``[(count, rows, cols), ...]``: the matrices a param of ``shape`` is orthogonalized as:
+    its logical matrices (``matrix_shape``), each cut into row blocks by ``ns_split``.
+
+    ``ns_split`` None: no cut. An int ``r``: blocks of ``r`` rows (a fused QKV weight per head:
+    ``r = head_dim``). A sequence of ints summing to the rows: blocks of those sizes, in order
+    (q, k, v of a GQA layer; gate and up). Consecutive blocks of one shape are merged into one
+    entry.
+
+    Raises:
+        ValueError: ``r`` does not divide the rows, or the sizes do not sum to them.
+    """
+    count, rows, cols = matrix_shape(shape, flatten)
+    blocks: list[tuple[int, int, int]] = []
+    for size in split_rows(rows, ns_split):
+        if blocks and blocks[-1][1] == size:
+            blocks[-1] = (blocks[-1][0] + count, size, cols)
+        else:
+            blocks.append((count, size, cols))
+    return blocks
+
+
+def split_rows(rows: int, ns_split: Any) -> list[int]:
+    """The row-block sizes of an ``rows``-row matrix under ``ns_split`` (see ``matrix_blocks``)."""
+    if ns_split is None:
+        return [rows]
+    if isinstance(ns_split, numbers.Integral):
+        if ns_split <= 0 or rows % ns_split:
+            raise ValueError(f"ns_split={ns_split} does not divide the {rows} rows of a matrix")
+        return [int(ns_split)] * (rows // ns_split)
+    sizes = [int(s) for s in ns_split]
+    if any(s <= 0 for s in sizes) or sum(sizes) != rows:
+        raise ValueError(f"ns_split={tuple(sizes)} does not sum to the {rows} rows of a matrix")
+    return sizes
+
+
 def lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     """torch.optim.Muon's shape scale of the lr for a ``rows`` x ``cols`` matrix."""
     if adjust_lr_fn is None or adjust_lr_fn == "original":
