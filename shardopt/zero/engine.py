@@ -56,26 +56,17 @@ import torch
 
 from shardopt import kernels as _ops
 from shardopt.optimizers.fused_optimizer import check_param_dtypes
-from shardopt.zero import comm, sharded_params, state_storage, torch_clip
+from shardopt.zero import comm, sharded_params, state_storage, torch_clip, unsynced
 from shardopt.zero.amp import AmpClip, StepScalars
 from shardopt.zero.apex import compat as apex_compat
 from shardopt.zero.apex import user_buffers
 from shardopt.zero.grad_sync import GradSync
-from shardopt.zero.offload import (
-    auto as offload_auto,
-)
-from shardopt.zero.offload import (
-    backward as offload_backward,
-)
-from shardopt.zero.offload import (
-    host_state,
-)
-from shardopt.zero.offload import (
-    pipeline as offload_pipeline,
-)
-from shardopt.zero.offload import (
-    plan as offload_plan,
-)
+from shardopt.zero.layout import ShardLayout
+from shardopt.zero.offload import auto as offload_auto
+from shardopt.zero.offload import backward as offload_backward
+from shardopt.zero.offload import host_state
+from shardopt.zero.offload import pipeline as offload_pipeline
+from shardopt.zero.offload import plan as offload_plan
 from shardopt.zero.param_sync import ParamSync
 from shardopt.zero.settings import (
     DEFAULT_BUCKET_CAP_MB,
@@ -83,6 +74,7 @@ from shardopt.zero.settings import (
     check_plain_params,
     check_remainders,
     check_settings,
+    resolve_layout,
 )
 from shardopt.zero.sharded_params import Key, ParamReboundError, ShardedParams, ShardingConfig
 from shardopt.zero.state_io import StateIO
@@ -90,7 +82,12 @@ from shardopt.zero.update_calls import Call, UpdateCalls
 
 
 class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimizer):
-    """Common engine of the ZeRO-sharded optimizers (not used directly)."""
+    """Common engine of the ZeRO-sharded optimizers (not used directly).
+
+    Each param group's keys are planned by ``shard_layout(self, group: dict) -> ShardLayout``
+    (shardopt.zero.layout), which a subclass may override (per group: whole params for Muon's
+    matrices, ``ElementLayout()`` for the rest); by default the constructor's ``shard_layout=``.
+    """
 
     state_names: tuple[str, ...] = ()
     #: per state, whether it takes negative values (the 8-bit quantisation map it uses)
@@ -122,6 +119,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         skip_unused_params: bool = True,
         state_format: str | None = None,
         offload: str | offload_plan.CPUOffload | None = None,
+        shard_layout: ShardLayout | None = None,
         **apex_args: Any,
     ) -> None:
         name = type(self).__name__
@@ -148,6 +146,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 supported=self.compact_storage,
             )
             offload_settings = offload_plan.resolve(name, offload)
+            self._shard_layout = resolve_layout(name, shard_layout)
             placement = offload_auto.numa_placement(name, offload_settings, self.param_groups)
             if offload_settings is not None and capturable:
                 raise ValueError(
@@ -193,6 +192,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
         self._bucket_cap_chosen = cap_chosen(bucket_cap_mb)
         self._offload_settings = offload_settings
         self._build(name)
+        self._unsynced = unsynced.UnsyncedCheck(self)  # see Note: unsynced params
         apex_compat.check_device(name, apex["device"], self.device)
         # torch.nn.utils.clip_grad_norm_ on these params routes here (else: no .grad, a no-op)
         torch_clip.install()
@@ -215,6 +215,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
                 process_group=process_group,
                 redundant_process_group=redundant_process_group,
                 owner=name,
+                layouts=[self.shard_layout(group) for group in self.param_groups],
                 allocating=ub.allocating if ub is not None else contextlib.nullcontext,
             )
         if ub is not None:
@@ -273,6 +274,12 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
     overlap_grad_sync = property(lambda self: self.config.overlap_grad_sync)
     overlap_param_sync = property(lambda self: self.config.overlap_param_sync)
     offload_plan = property(lambda self: self._offload_plan)  # None without offload
+
+    def shard_layout(self, group: dict[str, Any]) -> ShardLayout:
+        """The layout of ``group``'s keys (called by construction and every re-plan, once per
+        group, before a subclass's ``__init__`` goes on after ``super().__init__``); it must
+        give the same layout on every rank. Default: the constructor's ``shard_layout``."""
+        return self._shard_layout
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only the constructor's groups: the flat layout is planned from them at construction."""
@@ -387,6 +394,7 @@ class DistributedOptimizer(StateIO, apex_compat.ApexSurface, torch.optim.Optimiz
             self.update_calls.begin(unused)
         elif binding_error is not None:
             raise binding_error
+        self._unsynced.check()  # the first steps, after the lockstep check: Note: unsynced params
         scalars = self.amp.step_scalars(self, grad_scaler, self.needs_grad_norm)
         offload_backward.check_early(self, scalars)  # misuse raises before any count moves
         for group in self.param_groups:

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from shardopt.zero.layout import ElementLayout, ShardLayout
+
 #: the keyword-only sharding arguments every DistributedFused* class takes
 ZERO_ARGS_DOC = """
     Sharding arguments (keyword-only):
@@ -51,6 +53,12 @@ ZERO_ARGS_DOC = """
             tensor; needs overlap_param_sync=False and no GradScaler.
         offload: "cpu" or a ``shardopt.CPUOffload``: masters and state of (a fraction of) this
             rank's shard live in host memory, updated there by the same kernels (docs/offload.md).
+        shard_layout: how each key's params are placed in buckets and rank shards
+            (``shardopt.zero.layout``): ``ElementLayout()`` (the default: every bucket split
+            evenly, a param may straddle ranks) or ``WholeParamLayout(cost=...)`` (each param
+            whole on one rank, ranks balanced by cost, padded where it must be). Results and
+            checkpoints do not depend on it; a subclass may choose per group by overriding
+            ``shard_layout(group)`` (see Note: buckets and shards in docs/design.md).
         distributed_process_group, device, pipeline_size, contiguous_param_buffer,
             contiguous_grad_buffer, store_params, nccl_ub: Apex's keywords, with Apex's
             defaults and meanings (docs/migration.md, "From Apex").
@@ -116,6 +124,19 @@ def check_settings(
         )
 
 
+def resolve_layout(name: str, shard_layout: ShardLayout | None) -> ShardLayout:
+    """The constructor's ``shard_layout``: ``ElementLayout()`` when None; TypeError for an object
+    that is no ``ShardLayout`` (a ``plan`` method and a ``name``)."""
+    if shard_layout is None:
+        return ElementLayout()
+    if not isinstance(shard_layout, ShardLayout):
+        raise TypeError(
+            f"{name}: shard_layout must be a ShardLayout (shardopt.zero.layout.ElementLayout() or "
+            f"WholeParamLayout(...)), got {type(shard_layout).__name__}"
+        )
+    return shard_layout
+
+
 def check_plain_params(name: str, param_groups: list[dict]) -> None:
     """DTensor params (FSDP2's ``fully_shard``, tensor parallelism) are refused naming the way
     out, instead of torch's error from the first collective on them."""
@@ -170,3 +191,55 @@ def show_sharding_args(cls: type, engine_init, apex_defaults: dict[str, Any]) ->
     sharding += [inspect.Parameter(name, kw, default=value) for name, value in extra.items()]
     cls.__init__.__signature__ = own.replace(parameters=kept + sharding)
     cls.__doc__ = (cls.__doc__ or "") + ZERO_ARGS_DOC
+
+
+def describe_hyperparams(
+    groups: list[dict[str, Any]], skip: frozenset[str] = frozenset()
+) -> list[dict[str, str]]:
+    """Each group's hyperparameters as comparable strings (a 1-element tensor by its value;
+    values that have no meaning on another rank, such as a multi-element tensor or an object,
+    are left out), for the checks that every rank holds the same ones."""
+
+    def text(v: Any) -> str | None:
+        if torch.is_tensor(v):
+            return repr(float(v.item())) if v.numel() == 1 and not v.is_meta else None
+        if isinstance(v, (tuple, list)):
+            parts = [text(x) for x in v]
+            return None if None in parts else "(" + ", ".join(parts) + ")"  # type: ignore[arg-type]
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return repr(float(v)) if isinstance(v, int) and not isinstance(v, bool) else repr(v)
+        return None
+
+    out = []
+    for g in groups:
+        desc = {k: text(v) for k, v in g.items() if k != "params" and k not in skip}
+        out.append({k: v for k, v in desc.items() if v is not None})
+    return out
+
+
+def hyperparam_diffs(
+    mine: list[dict[str, str]], everyone: list[list[dict[str, str]]], rank: int
+) -> list[str]:
+    """What differs between this rank's ``describe_hyperparams`` and every other rank's."""
+    diffs = []
+    for r, other in enumerate(everyone):
+        for gi, (a, b) in enumerate(zip(mine, other)):
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != b.get(k):
+                    diffs.append(
+                        f"group {gi} {k}: rank {rank} has {a.get(k, 'nothing')}, rank {r} has "
+                        f"{b.get(k, 'nothing')}"
+                    )
+    return diffs
+
+
+def raise_if_hyperparams_differ(
+    owner: str, what: str, mine: list[dict[str, str]], everyone: list, rank: int
+) -> None:
+    """ValueError on every rank (each compares itself with all) when hyperparameters differ."""
+    diffs = hyperparam_diffs(mine, everyone, rank)
+    if diffs:
+        raise ValueError(
+            f"{owner}: {what} differ between ranks (every rank must use the same lr, betas, "
+            "weight_decay, ...; each would update its shard with its own): " + "; ".join(diffs[:5])
+        )

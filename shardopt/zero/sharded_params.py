@@ -1,9 +1,10 @@
 """The params of a distributed optimizer: checked across ranks, planned into keys, bound to flat
 buffers (see Note: buckets and shards in layout.py).
 
-A key is one (param group, param dtype) set of trainable params with its plan (``KeyLayout``) and
-its buffers (``KeyBuffers``). Params become views of their key's param buffer, so an all-gather
-writes straight into them; frozen params get no buckets and no state.
+A key is one (param group, param dtype) set of trainable params with its plan (``KeyLayout``, by
+its group's ``ShardLayout``) and its buffers (``KeyBuffers``). Params become views of their key's
+param buffer, so an all-gather writes straight into them; frozen params get no buckets and no
+state.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from shardopt import kernels as _ops
 from shardopt.optimizers.fused_optimizer import LOW_PRECISION
 from shardopt.zero import comm
 from shardopt.zero.flat_buffer import KeyBuffers
-from shardopt.zero.layout import KeyLayout, Range, plan_key
+from shardopt.zero.layout import ElementLayout, KeyLayout, Range, ShardLayout
 from shardopt.zero.offload import host_state
 from shardopt.zero.offload.plan import split_params
+from shardopt.zero.settings import describe_hyperparams, raise_if_hyperparams_differ
 from shardopt.zero.state_storage import Storage
 from shardopt.zero.sync_bits import sync_to_params, write_sync
 
@@ -128,58 +130,6 @@ class ShardingConfig:
         return of
 
 
-def describe_hyperparams(
-    groups: list[dict[str, Any]], skip: frozenset[str] = frozenset()
-) -> list[dict[str, str]]:
-    """Each group's hyperparameters as comparable strings (a 1-element tensor by its value;
-    values that have no meaning on another rank, such as a multi-element tensor or an object,
-    are left out), for the checks that every rank holds the same ones."""
-
-    def text(v: Any) -> str | None:
-        if torch.is_tensor(v):
-            return repr(float(v.item())) if v.numel() == 1 and not v.is_meta else None
-        if isinstance(v, (tuple, list)):
-            parts = [text(x) for x in v]
-            return None if None in parts else "(" + ", ".join(parts) + ")"  # type: ignore[arg-type]
-        if v is None or isinstance(v, (bool, int, float, str)):
-            return repr(float(v)) if isinstance(v, int) and not isinstance(v, bool) else repr(v)
-        return None
-
-    out = []
-    for g in groups:
-        desc = {k: text(v) for k, v in g.items() if k != "params" and k not in skip}
-        out.append({k: v for k, v in desc.items() if v is not None})
-    return out
-
-
-def hyperparam_diffs(
-    mine: list[dict[str, str]], everyone: list[list[dict[str, str]]], rank: int
-) -> list[str]:
-    """What differs between this rank's ``describe_hyperparams`` and every other rank's."""
-    diffs = []
-    for r, other in enumerate(everyone):
-        for gi, (a, b) in enumerate(zip(mine, other)):
-            for k in sorted(set(a) | set(b)):
-                if a.get(k) != b.get(k):
-                    diffs.append(
-                        f"group {gi} {k}: rank {rank} has {a.get(k, 'nothing')}, rank {r} has "
-                        f"{b.get(k, 'nothing')}"
-                    )
-    return diffs
-
-
-def raise_if_hyperparams_differ(
-    owner: str, what: str, mine: list[dict[str, str]], everyone: list, rank: int
-) -> None:
-    """ValueError on every rank (each compares itself with all) when hyperparameters differ."""
-    diffs = hyperparam_diffs(mine, everyone, rank)
-    if diffs:
-        raise ValueError(
-            f"{owner}: {what} differ between ranks (every rank must use the same lr, betas, "
-            "weight_decay, ...; each would update its shard with its own): " + "; ".join(diffs[:5])
-        )
-
-
 class ShardedParams:
     """The optimizer's params, their keys and the index maps between them.
 
@@ -198,6 +148,7 @@ class ShardedParams:
         process_group: comm.ProcessGroup | None,
         redundant_process_group: comm.ProcessGroup | None,
         owner: str,
+        layouts: list[ShardLayout] | None = None,
         allocating: Callable[[], ContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.owner = owner
@@ -230,9 +181,15 @@ class ShardedParams:
         #: engine param index -> index among all params (torch.optim state-dict ids)
         self.all_index = [position[id(p)] for p in self.params]
         self.device = _ops.common_device(self.all_params, "params")
-        self._check_same_everywhere(param_groups)
+        #: each param group's layout (``DistributedOptimizer.shard_layout``)
+        self.layouts = layouts or [ElementLayout()] * len(param_groups)
+        try:  # a layout failing on one rank must fail on every rank, not hang the others
+            plans, failed = self._plan_keys(param_groups), None
+        except (TypeError, ValueError) as e:
+            plans, failed = [], e
+        self._check_same_everywhere(param_groups, plans, failed)
         self._broadcast(redundant_process_group)
-        self.keys: list[Key] = self._build_keys(param_groups, state_names, state_signed)
+        self.keys: list[Key] = self._build_keys(plans, state_names, state_signed)
         self.param_key: dict[int, Key] = {i: key for key in self.keys for i in key.layout.params}
         #: param -> (bucket index, bucket_range, param_range) of each bucket it has elements in
         self.pieces: dict[int, list[tuple[int, Range, Range]]] = {
@@ -255,16 +212,25 @@ class ShardedParams:
             for k in self.keys
         ]
 
-    def _check_same_everywhere(self, param_groups: list[dict[str, Any]]) -> None:
+    def _check_same_everywhere(
+        self, param_groups: list[dict[str, Any]], plans: list, failed: Exception | None = None
+    ) -> None:
         """Every rank must register the same params (order, shape, dtype, requires_grad) in the
-        same groups, with the same sharding settings; else every rank raises here, not at the
-        first collective."""
+        same groups, with the same sharding settings and planned layouts; else every rank raises
+        here, not at the first collective."""
         desc = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in self.all_params]
         groups = [len(g["params"]) for g in param_groups]
         hyper = describe_hyperparams(param_groups)
-        mine = (desc, groups, self.config.describe(), hyper)
+        planned = [(part[0], self.layouts[part[0]].name, part[-1].digest()) for part in plans]
+        mine = (desc, groups, self.config.describe(), hyper, planned, repr(failed))
         everyone = comm.all_gather_object(mine, self.process_group)
-        for r, (other, other_groups, other_config, _) in enumerate(everyone):
+        if failed is not None:
+            raise failed
+        bad = next((r for r, e in enumerate(everyone) if e[5] != "None"), None)
+        if bad is not None:
+            raise ValueError(f"{self.owner}: planning the shard layout failed on rank {bad}: "
+                             f"{everyone[bad][5]}")  # fmt: skip
+        for r, (other, other_groups, other_config, _, other_planned, _) in enumerate(everyone):
             diffs = [
                 f"param {i}: rank {self.rank} has {a}, rank {r} has {b}"
                 for i, (a, b) in enumerate(zip(desc, other))
@@ -294,6 +260,13 @@ class ShardedParams:
                     f"{self.owner}: sharding settings differ between ranks (they must be equal on "
                     "every rank): " + "; ".join(settings)
                 )
+            if other_planned != planned:
+                gi, name, _ = next(a for a, b in zip(planned, other_planned) if a != b)
+                raise ValueError(
+                    f"{self.owner}: the shard layouts of group {gi} ({name}) differ between ranks "
+                    f"{self.rank} and {r}: shard_layout(group) must give the same layout on every "
+                    "rank (a cost the same function of the shape everywhere)"
+                )
         raise_if_hyperparams_differ(
             self.owner, "group hyperparameters", hyper, [e[3] for e in everyone], self.rank
         )
@@ -306,9 +279,9 @@ class ShardedParams:
             if redundant_process_group is not None:
                 comm.broadcast(data, 0, redundant_process_group)
 
-    def _build_keys(
-        self, param_groups: list[dict[str, Any]], state_names, state_signed
-    ) -> list[Key]:
+    def _plan_keys(self, param_groups: list[dict[str, Any]]) -> list[tuple]:
+        """(group, param dtype, grad-sync dtype, param-sync dtype, offloaded, layout) of every
+        key, each planned by its group's layout (pure data: no buffer yet)."""
         dtypes_of = self.config.sync_dtypes()
         # one key per (group, param dtype, grad-sync dtype, param-sync dtype)
         by_key: dict[tuple[int, torch.dtype, torch.dtype, torch.dtype], list[int]] = {}
@@ -318,7 +291,6 @@ class ShardedParams:
                     i = self.param_index[id(p)]
                     by_key.setdefault((gi, p.dtype, *dtypes_of(i, p.dtype)), []).append(i)
         config = self.config
-        keys = []
         parts = []
         for (gi, dtype, grad_dtype, sync_dtype), indices in by_key.items():
             if config.offload_fraction is None:
@@ -329,15 +301,24 @@ class ShardedParams:
                 parts.append((gi, dtype, grad_dtype, sync_dtype, indices[kept:], True))
             if kept > 0:
                 parts.append((gi, dtype, grad_dtype, sync_dtype, indices[:kept], False))
+        plans = []
         for gi, dtype, grad_dtype, sync_dtype, indices, offloaded in parts:
             smallest = min(t.itemsize for t in (dtype, grad_dtype, sync_dtype))
             bucket_numel = int(config.bucket_cap_mb * 2**20) // grad_dtype.itemsize
-            layout = plan_key(
-                [(i, self.params[i].numel()) for i in indices],
+            layout = self.layouts[gi].plan(
+                [(i, tuple(self.params[i].shape)) for i in indices],
                 world_size=self.world_size,
                 bucket_numel=max(bucket_numel, 1),
                 align_numel=config.storage.align_numel(ALIGN_BYTES // smallest),
             )
+            plans.append((gi, dtype, grad_dtype, sync_dtype, offloaded, layout))
+        return plans
+
+    def _build_keys(self, plans: list[tuple], state_names, state_signed) -> list[Key]:
+        """The buffers of every planned key."""
+        config = self.config
+        keys = []
+        for gi, dtype, grad_dtype, sync_dtype, offloaded, layout in plans:
             buffers = KeyBuffers(
                 layout,
                 self.rank,

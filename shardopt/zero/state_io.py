@@ -25,7 +25,7 @@ import torch
 from shardopt.optimizers.state_dict import check_loaded_groups, check_state_keys
 from shardopt.zero import comm, state_storage
 from shardopt.zero.layout import Range
-from shardopt.zero.sharded_params import describe_hyperparams, raise_if_hyperparams_differ
+from shardopt.zero.settings import describe_hyperparams, raise_if_hyperparams_differ
 from shardopt.zero.state_storage import MASTER
 
 PARAM_STEPS = "param_steps"  # own step of each param of a group, when some were skipped

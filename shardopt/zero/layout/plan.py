@@ -1,13 +1,4 @@
-"""The sharding plan: pure data, no torch.distributed (see Note: buckets and shards).
-
-Note: buckets and shards
-    Trainable params are grouped by key (param group, param dtype). Within a key, params are laid
-    out back to back in reverse registration order (about the order their grads arrive), each
-    start aligned to ``align_numel`` elements, in one "key space". The key space is cut into
-    buckets of ``bucket_numel`` elements (the last one shorter); every bucket is padded so it
-    divides evenly by ``world_size`` and each rank's chunk stays aligned. Rank r owns chunk r of
-    every bucket. A rank's shard of a key is its chunks, back to back. A param may straddle buckets
-    and chunks; a fragment is one (param, bucket, rank) intersection.
+"""The plan of one key as plain data, and the interface every shard layout implements.
 
 Ranges always name their coordinate system: ``param_range`` (elements of the flattened param),
 ``bucket_range`` (elements of the bucket), ``shard_range`` (elements of a rank's shard of the key),
@@ -16,7 +7,13 @@ Ranges always name their coordinate system: ``param_range`` (elements of the fla
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+#: one param as a layout sees it: (engine param index, shape)
+ParamShape = tuple[int, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ class Bucket:
     space_range: Range  # includes the padding
     chunk_numel: int
     shard_offset: int  # where this bucket's chunk starts in every rank's shard
-    params: tuple[int, ...]  # params with at least one element in the bucket
+    params: tuple[int, ...]  # params with at least one element in the bucket, in space order
     gaps: tuple[Range, ...] = ()  # bucket ranges holding no param (alignment, padding)
 
     @property
@@ -72,9 +69,15 @@ class Bucket:
 
 @dataclass(frozen=True)
 class KeyLayout:
-    """The plan of one key: param placements, buckets, fragments."""
+    """The plan of one key: param placements, buckets, fragments.
 
-    params: tuple[int, ...]  # global param indices, in layout (reverse registration) order
+    Every layout gives each param one contiguous ``space_range`` (a param's elements are back to
+    back in the key space), buckets that tile the key space in order with one chunk size per
+    bucket, and shards made of each rank's chunks in bucket order; which param lies where is the
+    layout's choice (see Note: buckets and shards in docs/design.md).
+    """
+
+    params: tuple[int, ...]  # global param indices, in key-space order
     space_ranges: dict[int, Range]  # param -> its elements in the key space
     buckets: tuple[Bucket, ...]
     fragments: tuple[Fragment, ...]  # all ranks, ordered by (bucket, rank, param position)
@@ -100,9 +103,57 @@ class KeyLayout:
                 )
         return pieces
 
+    def digest(self) -> tuple:
+        """What every rank must agree on (param places and buckets), for the check at
+        construction that every rank planned the same layout."""
+        places = tuple((i, r.start, r.end) for i, r in self.space_ranges.items())
+        return places, tuple((b.space_range.start, b.chunk_numel) for b in self.buckets)
 
-def _round_up(n: int, multiple: int) -> int:
+
+@runtime_checkable
+class ShardLayout(Protocol):
+    """How the params of one key are placed into buckets and cut into rank shards.
+
+    A layout is plain data in, plain data out (no process group): it must return the same plan on
+    every rank for the same arguments. ``name`` names it in messages and checkpoints' metadata.
+    Implementations: ``ElementLayout`` (params back to back, every bucket split evenly: a param
+    may straddle chunks) and ``WholeParamLayout`` (each param whole in one rank's chunk).
+    """
+
+    name: str
+
+    def plan(
+        self,
+        params: Sequence[ParamShape],
+        *,
+        world_size: int,
+        bucket_numel: int,
+        align_numel: int,
+    ) -> KeyLayout:
+        """Plans one key.
+
+        Args:
+            params: (engine param index, shape) of each param, in REGISTRATION order.
+            world_size: ranks sharing the key.
+            bucket_numel: target bucket size in elements.
+            align_numel: alignment of param starts and chunk starts, in elements.
+        """
+        ...
+
+
+def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def check_arguments(world_size: int, align_numel: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if align_numel < 1:
+        raise ValueError(f"align_numel must be >= 1, got {align_numel}")
 
 
 def _gaps(space: Range, members: tuple[int, ...], space_ranges: dict[int, Range]) -> tuple:
@@ -118,61 +169,27 @@ def _gaps(space: Range, members: tuple[int, ...], space_ranges: dict[int, Range]
     return tuple(gaps)
 
 
-def plan_key(
-    params: list[tuple[int, int]],
-    *,
+def assemble(
+    order: list[int],
+    space_ranges: dict[int, Range],
+    bucket_sizes: list[int],
     world_size: int,
-    bucket_numel: int,
-    align_numel: int,
+    capacity: int,
 ) -> KeyLayout:
-    """Plans one key.
-
-    Args:
-        params: (global param index, numel) in REGISTRATION order; laid out reversed.
-        world_size: ranks sharing the key.
-        bucket_numel: target bucket size in elements (rounded up to whole aligned chunks).
-        align_numel: alignment of param starts and chunk starts, in elements.
-
-    Returns:
-        The key's layout.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if align_numel < 1:
-        raise ValueError(f"align_numel must be >= 1, got {align_numel}")
-    unit = world_size * align_numel
-    bucket_numel = max(_round_up(max(bucket_numel, 1), unit), unit)
-
-    order = [p for p in reversed(params)]
-    space_ranges: dict[int, Range] = {}
-    offset = 0
-    for index, numel in order:
-        offset = _round_up(offset, align_numel)
-        space_ranges[index] = Range(offset, offset + numel)
-        offset += numel
-    used = offset
-
+    """The KeyLayout of params placed at ``space_ranges`` (``order``: key-space order) in
+    buckets of ``bucket_sizes`` elements (each a multiple of ``world_size``), back to back from
+    0: members, gaps and every (bucket, rank, param) fragment; ``capacity``: the size of a full
+    bucket."""
     buckets: list[Bucket] = []
-    start = 0
-    shard_offset = 0
-    while start < used:
-        numel = min(bucket_numel, _round_up(used - start, unit))
+    start = shard_offset = 0
+    for numel in bucket_sizes:
         space = Range(start, start + numel)
-        members = tuple(i for i, _ in order if space_ranges[i].intersect(space) and numel > 0)
+        members = tuple(i for i in order if space_ranges[i].intersect(space))
         chunk = numel // world_size
-        buckets.append(
-            Bucket(
-                len(buckets),
-                space,
-                chunk,
-                shard_offset,
-                members,
-                _gaps(space, members, space_ranges),
-            )
-        )
+        gaps = _gaps(space, members, space_ranges)
+        buckets.append(Bucket(len(buckets), space, chunk, shard_offset, members, gaps))
         shard_offset += chunk
         start += numel
-
     fragments: list[Fragment] = []
     for bucket in buckets:
         for rank in range(world_size):
@@ -193,11 +210,11 @@ def plan_key(
                     )
                 )
     return KeyLayout(
-        params=tuple(i for i, _ in order),
+        params=tuple(order),
         space_ranges=space_ranges,
         buckets=tuple(buckets),
         fragments=tuple(fragments),
         space_numel=start,
         shard_numel=shard_offset,
-        bucket_numel=bucket_numel,
+        bucket_numel=capacity,
     )
