@@ -7,14 +7,18 @@ Note: the whole-param plan
     each bucket's params are spread over the ranks by a greedy longest-processing-time rule on
     ``cost(shape)``, largest cost first, each to the rank with the least cost so far *over the
     whole key* (costs carry from bucket to bucket), among the ranks whose chunk in this bucket
-    still has room (a cap near the bucket's mean fill per rank, so the chunks fill evenly). Every
+    still has room (a cap near the bucket's mean fill per rank, so the chunks fill evenly); and
+    by best fit (largest first, each to the chunk it fills most tightly), which packs chunks
+    evenly where greedy by cost cannot; of the two rules under three caps, the assignment with the
+    least busiest rank within ``max_padding`` (else the least padding) is taken. Every
     rank's chunk of a bucket is padded to the bucket's fullest chunk. A bucket whose padding would
     pass ``max_padding`` of its elements takes more params (its target grows by half each try),
     so buckets hold enough params per rank to fill their chunks evenly: at large world sizes and
     with large params they grow well past ``bucket_numel`` (the report in docs/benchmarks.md,
     "Muon layout", gives their sizes); a remainder smaller than the current target joins the
-    bucket before it. With ``max_padding=1`` every bucket closes at ``bucket_numel``, and a param
-    larger than that gets a bucket of its own (padded on the other ``world_size - 1`` ranks).
+    bucket before it. With ``max_padding=1`` every bucket closes as soon as it holds
+    ``bucket_numel`` elements, as the element layout's do (a param larger than that ends its
+    bucket, padded on the other ``world_size - 1`` ranks).
     Within a rank's chunk params keep reverse registration order; grads are still
     reduce-scattered per bucket and params all-gathered per bucket, as with ``ElementLayout``.
 
@@ -142,17 +146,18 @@ class WholeParamLayout:
         return assemble(layout_order, space_ranges, sizes, n, capacity)
 
     def _assign(self, group: list[_Item], loads: list[float], align: int) -> list[list[_Item]]:
-        """The ranks' params of one bucket: greedy by cost under a chunk cap; of the caps tried,
-        the assignment whose busiest rank (over the key) is least, among those within
-        ``max_padding``, else the one with the least padding."""
+        """The ranks' params of one bucket, by two rules (least cost first, tightest fit first)
+        under three chunk caps: the assignment whose busiest rank (over the key) is least among
+        those within ``max_padding``, else the one with the least padding."""
         n = len(loads)
         used = sum(it.size for it in group)
         largest = max(it.size for it in group)
         mean = math.ceil(used / n)
         best, best_key = None, None
-        for slack in _CAPS:
+        tries = [(rule, slack) for rule in (_greedy, _best_fit) for slack in _CAPS]
+        for rule, slack in tries:
             cap = max(largest, round_up(math.ceil(mean * (1 + slack * self.max_padding)), align))
-            ranks = _greedy(group, loads, cap)
+            ranks = rule(group, loads, cap)
             chunk = max(_fill(r) for r in ranks)
             padding = (n * chunk - used) / (n * chunk)
             busiest = max(loads[r] + sum(it.cost for it in mine) for r, mine in enumerate(ranks))
@@ -187,6 +192,26 @@ def _greedy(group: list[_Item], loads: list[float], cap: int) -> list[list[_Item
         room = [r for r in range(n) if fill[r] + it.size <= cap]
         if room:
             r = min(room, key=lambda r: (cost[r], fill[r], r))
+        else:
+            r = min(range(n), key=lambda r: (fill[r], cost[r], r))
+        ranks[r].append(it)
+        cost[r] += it.cost
+        fill[r] += it.size
+    return ranks
+
+
+def _best_fit(group: list[_Item], loads: list[float], cap: int) -> list[list[_Item]]:
+    """Largest first, each to the rank whose chunk it leaves the least room in under ``cap``
+    (ties: the least-loaded; none has room: the emptiest chunk): fills chunks evenly where
+    the params' sizes allow it."""
+    n = len(loads)
+    cost = list(loads)
+    fill = [0] * n
+    ranks: list[list[_Item]] = [[] for _ in range(n)]
+    for it in sorted(group, key=lambda it: (-it.size, -it.cost, it.position)):
+        room = [r for r in range(n) if fill[r] + it.size <= cap]
+        if room:
+            r = min(room, key=lambda r: (cap - fill[r] - it.size, cost[r], r))
         else:
             r = min(range(n), key=lambda r: (fill[r], cost[r], r))
         ranks[r].append(it)
