@@ -16,7 +16,7 @@ world size and bucket size, and ``dcp_to_torch_save`` turns it into a torch.opti
 by FQN (loadable into ``torch.optim.AdamW`` with ``set_optimizer_state_dict``).
 
 Note: re-partition. Each rank owns arbitrary flat fragments of each param (see
-``shardopt/zero/layout.py``: chunk r of every bucket), which no regular DTensor sharding
+``shardopt/zero/layout/``: chunk r of every bucket), which no regular DTensor sharding
 describes. At save time the state is re-partitioned into the even row chunks of ``Shard(0)``
 (``torch.chunk`` semantics: rank r holds rows ``[r*c, (r+1)*c)`` with ``c = ceil(rows / world)``),
 and back at load time: params are taken in batches of at most ``bucket_cap_mb`` of fp32 per

@@ -1,5 +1,5 @@
 """The contiguous buffers of one key and the views the engine hands out (see Note: buckets and
-shards in layout.py).
+shards in docs/design.md).
 
 Per key:
   - ``param_space``: the params themselves, back to back in the key space (params are rebound to

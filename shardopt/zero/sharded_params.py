@@ -1,5 +1,5 @@
 """The params of a distributed optimizer: checked across ranks, planned into keys, bound to flat
-buffers (see Note: buckets and shards in layout.py).
+buffers (see Note: buckets and shards in docs/design.md).
 
 A key is one (param group, param dtype) set of trainable params with its plan (``KeyLayout``, by
 its group's ``ShardLayout``) and its buffers (``KeyBuffers``). Params become views of their key's
