@@ -228,6 +228,16 @@ def adagrad_update(
         p.copy_(p - lr * (g / (torch.sqrt(h) + eps) + weight_decay * p))
 
 
+#: Polar Express's five triples (Amsel et al., arXiv 2505.16932), as modded-nanogpt and Dion use
+POLAR_EXPRESS = [
+    (8.1566, -22.4833, 15.8788),
+    (4.0429, -2.8089, 0.5000),
+    (3.8917, -2.7725, 0.5061),
+    (3.2858, -2.3681, 0.4645),
+    (2.3465, -1.7098, 0.4232),
+]
+
+
 def newton_schulz(
     u: Tensor, coefficients: Sequence[tuple[float, float, float]], eps: float
 ) -> Tensor:
@@ -257,13 +267,16 @@ def muon_update(
     eps: float,
     adjust_lr_fn: str | None,
     flatten: bool,
+    ns_split: Any = None,
 ) -> None:
     """Applies one FusedMuon step to ``p`` and ``buf`` (the momentum buffer) in place.
 
     A 2-D ``p`` is one matrix; with more dims, one matrix per index of the leading dims (the last
     two dims are the matrix), or with ``flatten`` one ``(shape[0], rest)`` matrix (conv weights).
-    The lr's shape scale comes from that matrix: ``sqrt(max(1, A/B))`` ("original", None) or
-    ``0.2 sqrt(max(A, B))`` ("match_rms_adamw"); the decay uses the unadjusted lr.
+    ``ns_split`` cuts each matrix into row blocks (an int: blocks of that many rows; a sequence:
+    the block sizes), each orthogonalized on its own. The lr's shape scale comes from each
+    (block) matrix: ``sqrt(max(1, A/B))`` ("original", None) or ``0.2 sqrt(max(A, B))``
+    ("match_rms_adamw"); the decay uses the unadjusted lr.
     """
     buf.copy_(momentum * buf + (1 - momentum) * g)
     u = (1 - momentum) * g + momentum * buf if nesterov else buf
@@ -272,12 +285,22 @@ def muon_update(
     else:
         matrices = u.reshape(-1, u.shape[-2], u.shape[-1])
     rows, cols = matrices.shape[1:]
-    o = torch.stack([newton_schulz(m, coefficients, eps) for m in matrices]).reshape(p.shape)
-    if adjust_lr_fn == "match_rms_adamw":
-        ratio = 0.2 * math.sqrt(max(rows, cols))
+    if ns_split is None:
+        sizes = [rows]
+    elif isinstance(ns_split, int):
+        sizes = [ns_split] * (rows // ns_split)
     else:
-        ratio = math.sqrt(max(1.0, rows / cols))
-    p.copy_(p * (1 - lr * weight_decay) - lr * ratio * o)
+        sizes = list(ns_split)
+    blocks = []
+    for block in torch.split(matrices, sizes, dim=1):
+        a, b = block.shape[1:]
+        if adjust_lr_fn == "match_rms_adamw":
+            ratio = 0.2 * math.sqrt(max(a, b))
+        else:
+            ratio = math.sqrt(max(1.0, a / b))
+        blocks.append(ratio * torch.stack([newton_schulz(m, coefficients, eps) for m in block]))
+    o = torch.cat(blocks, dim=1).reshape(p.shape)
+    p.copy_(p * (1 - lr * weight_decay) - lr * o)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -671,8 +694,9 @@ class Muon(ReferenceOptimizer):
 
     A group with ``use_muon=False`` is updated by :func:`adam_update` (FusedAdam's rule); its
     missing hyperparameters are FusedAdam's defaults, not this class's. ``ns_coefficients`` is
-    one triple for every step or one triple per step; ``ns_dtype`` is ignored (the math is in
-    ``dtype``).
+    one triple for every step, one triple per step or a preset name (Polar Express);
+    ``ns_dtype`` and ``ns_algorithm`` are ignored (the math is in ``dtype``; Gram Newton-Schulz is
+    the same map as the standard iteration in exact arithmetic).
     """
 
     ADAM_DEFAULTS = dict(
@@ -693,13 +717,15 @@ class Muon(ReferenceOptimizer):
         adjust_lr_fn: str | None = None,
         ns_dtype: Any = None,
         flatten: bool = False,
+        ns_algorithm: str = "standard",
+        ns_split: Any = None,
         *,
         dtype: torch.dtype = torch.float64,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn, flatten=flatten, use_muon=True,
+            adjust_lr_fn=adjust_lr_fn, flatten=flatten, ns_split=ns_split, use_muon=True,
         )  # fmt: skip
         entries = list(params)
         if entries and isinstance(entries[0], dict):
@@ -725,11 +751,15 @@ class Muon(ReferenceOptimizer):
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p)
         coefficients = group["ns_coefficients"]
-        if all(isinstance(c, (int, float)) for c in coefficients):
+        if coefficients == "polar_express":
+            coefficients = POLAR_EXPRESS[: group["ns_steps"]]
+            coefficients += [POLAR_EXPRESS[-1]] * (group["ns_steps"] - len(coefficients))
+        elif all(isinstance(c, (int, float)) for c in coefficients):
             coefficients = [tuple(coefficients)] * group["ns_steps"]
         muon_update(
             p, g, state["momentum_buffer"], lr=float(group["lr"]),
             weight_decay=group["weight_decay"], momentum=group["momentum"],
             nesterov=group["nesterov"], coefficients=coefficients, eps=group["eps"],
             adjust_lr_fn=group["adjust_lr_fn"], flatten=group["flatten"],
+            ns_split=group.get("ns_split"),
         )  # fmt: skip

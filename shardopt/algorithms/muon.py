@@ -2,9 +2,10 @@
 iteration and the shape scale of the lr.
 
 ``FusedMuon`` (shardopt/optimizers/muon.py) takes ``Hyperparams``' defaults (torch.optim.Muon's)
-and checks (torch's messages), and calls ``newton_schulz`` once per group of same-shape matrices
-(a batched ``bmm`` chain). The elementwise parts are ``torch._foreach_*`` ops in the class; there
-is no C++ kernel for Muon yet (docs/spec.md "Known gaps").
+and checks (torch's messages), and calls ``orthogonalize`` once per group of same-shape matrices
+(a batched ``bmm`` chain: ``newton_schulz`` or ``gram_newton_schulz``). The elementwise parts are
+two fused kernels (csrc/optim/muon_math.h), called through ``momentum_and_mix`` and
+``decay_and_apply``; ``DistributedFusedMuon`` calls the same functions.
 
 Note: the logical matrices of a Muon param
 A 2-D param is one matrix (rows = ``shape[0]``, as torch). A param of more dims is a stack of
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from shardopt import kernels
 from shardopt.algorithms import hyperparams
 from shardopt.algorithms.validation import check_hyperparams
 
@@ -31,6 +33,18 @@ STATE_NAMES = ("momentum_buffer",)
 
 #: Keller Jordan's quintic coefficients, torch.optim.Muon's default (one triple for every step)
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+#: named per-step coefficient sets (``ns_coefficients="polar_express"``): Polar Express (Amsel
+#: et al., arXiv 2505.16932) as modded-nanogpt and Dion use it; later steps take its last triple
+NS_PRESETS = {
+    "polar_express": (
+        (8.1566, -22.4833, 15.8788),
+        (4.0429, -2.8089, 0.5000),
+        (3.8917, -2.7725, 0.5061),
+        (3.2858, -2.3681, 0.4645),
+        (2.3465, -1.7098, 0.4232),
+    ),
+}
 
 #: the dtypes Newton-Schulz may run in
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -56,6 +70,12 @@ class Hyperparams(hyperparams.Hyperparams):
         ns_dtype: the dtype of the Newton-Schulz matmuls (bf16 as torch; fp32 for accuracy).
         flatten: a param of 3 or more dims is one ``(shape[0], rest)`` matrix (conv weights)
             instead of a stack of matrices over its leading dims.
+        ns_algorithm: "standard" (torch's iteration on X) or "gram" (on the Gram X Xᵀ of each
+            wide matrix, fewer FLOPs for aspect ratios above about 1.5; see
+            ``gram_newton_schulz``).
+        ns_split: row blocks each logical matrix is orthogonalized as, each with its own shape
+            scale: None, an int (blocks of that many rows: per head) or row sizes summing to
+            the rows (q/k/v, gate/up); see ``matrix_blocks``.
     """
 
     lr: float | torch.Tensor = 1e-3
@@ -68,6 +88,8 @@ class Hyperparams(hyperparams.Hyperparams):
     adjust_lr_fn: str | None = None
     ns_dtype: torch.dtype = torch.bfloat16
     flatten: bool = False
+    ns_algorithm: str = "standard"
+    ns_split: Any = None
 
     def validate(self, owner: str) -> None:
         """torch.optim.Muon's checks with its messages, then shardopt's own.
@@ -97,6 +119,15 @@ def check_group(group: dict[str, Any], owner: str) -> None:
     if group["ns_steps"] >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
     coefficient_triples(group["ns_coefficients"], group["ns_steps"])
+    if group.get("ns_algorithm", "standard") not in NS_ALGORITHMS:
+        raise ValueError(
+            f"{owner}: ns_algorithm must be one of {NS_ALGORITHMS}, got {group['ns_algorithm']!r}"
+        )
+    split = group.get("ns_split")
+    if split is not None and not isinstance(split, numbers.Integral):
+        split = tuple(split)
+        if not split or not all(isinstance(s, numbers.Integral) for s in split):
+            raise ValueError(f"{owner}: ns_split must be None, an int or row sizes, got {split!r}")
     if group["ns_dtype"] not in NS_DTYPES:
         raise TypeError(
             f"{owner}: ns_dtype must be one of {[str(d) for d in NS_DTYPES]}, got "
@@ -109,9 +140,19 @@ def check_group(group: dict[str, Any], owner: str) -> None:
 def coefficient_triples(coefficients: Any, ns_steps: int) -> list[tuple[float, float, float]]:
     """The ``(a, b, c)`` of each of the ``ns_steps`` Newton-Schulz steps.
 
+    ``coefficients`` may also name a preset of ``NS_PRESETS`` (its first ``ns_steps`` triples,
+    the last one repeated past its end).
+
     Raises:
-        ValueError: neither one triple nor a sequence of ``ns_steps`` triples.
+        ValueError: neither one triple, a sequence of ``ns_steps`` triples nor a preset name.
     """
+    if isinstance(coefficients, str):
+        if coefficients not in NS_PRESETS:
+            raise ValueError(
+                f"Unknown ns_coefficients preset {coefficients!r}; presets: {sorted(NS_PRESETS)}"
+            )
+        preset = NS_PRESETS[coefficients]
+        return [preset[min(i, len(preset) - 1)] for i in range(ns_steps)]
     if len(coefficients) > 0 and all(isinstance(c, numbers.Real) for c in coefficients):
         if len(coefficients) != 3:
             raise ValueError("Coefficients must be a tuple of exactly 3 values")
@@ -262,3 +303,160 @@ def newton_schulz(
         update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, update, x, beta=a)
     return x.mT if tall else x
+
+
+def gram_newton_schulz(
+    x: torch.Tensor,
+    coefficients: Sequence[tuple[float, float, float]],
+    eps: float,
+    restarts: Sequence[int] = GRAM_RESTARTS,
+) -> torch.Tensor:
+    """``newton_schulz``'s result computed on the Gram matrix (Zhang, Amsel, Chen, Dao:
+    Dao-AILab/gram-newton-schulz): for each n x m matrix (n < m, transposed if tall) with
+    ``R = X Xᵀ``, a step ``X ← P X`` with ``P = a I + b R + c R²`` is ``R ← P R P``,
+    ``Q ← P Q`` on n x n matrices only; X is rebuilt as ``Q X`` before each step of
+    ``restarts`` (R recomputed from it, which bounds the drift of R in low precision) and at
+    the end. Square stacks run ``newton_schulz`` (no saving). ``x`` is overwritten.
+
+    FLOPs: ``ns_cost(..., ns_algorithm="gram")``; for 5 steps ``8 n²m + 28 n³`` against
+    ``20 n²m + 10 n³``.
+    """
+    if x.size(-2) == x.size(-1):
+        return newton_schulz(x, coefficients, eps)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    x.div_(norm.clamp_(min=eps))
+    n = x.size(-2)
+    eye = torch.eye(n, dtype=x.dtype, device=x.device)
+    steps = len(coefficients)
+    gram = torch.bmm(x, x.mT)
+    q = None
+    for i, (a, b, c) in enumerate(coefficients):
+        if i in restarts and q is not None:
+            x = torch.bmm(q, x)
+            gram = torch.bmm(x, x.mT)
+            q = None
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c).add_(eye, alpha=a)
+        q = poly if q is None else torch.bmm(poly, q)
+        if i + 1 < steps and i + 1 not in restarts:
+            gram = torch.bmm(poly, torch.bmm(gram, poly))
+    if q is not None:
+        x = torch.bmm(q, x)
+    return x.mT if tall else x
+
+
+def orthogonalize(x: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """The Newton-Schulz iteration of ``group`` (its algorithm, coefficients and eps) on the
+    stack ``x`` (k, rows, cols), in ``x``'s dtype; ``x`` is overwritten."""
+    coefficients = coefficient_triples(group["ns_coefficients"], group["ns_steps"])
+    if group.get("ns_algorithm", "standard") == "gram":
+        return gram_newton_schulz(x, coefficients, group["eps"])
+    return newton_schulz(x, coefficients, group["eps"])
+
+
+def momentum_and_mix(
+    grads: Sequence[torch.Tensor],
+    bufs: Sequence[torch.Tensor],
+    mixes: Sequence[torch.Tensor],
+    momentum: float,
+    nesterov: bool,
+    *,
+    as_is: bool = False,
+) -> None:
+    """Muon's momentum and Newton-Schulz input, one fused pass (kernel ``muon_momentum``):
+    ``buf ← buf.lerp(g, 1 − momentum)``; ``mix ← g.lerp(buf, momentum)`` with ``nesterov``,
+    else a copy of ``buf``, rounded to the buffer's dtype as torch.optim.Muon's tensors are
+    and written in the mixes' dtype (``ns_dtype``: the stack Newton-Schulz runs on).
+
+    Preconditions: one numel per position; grads in the buffers' dtype, or fp16/bf16 beside
+    fp32 buffers; mixes in any float dtype (views into a Newton-Schulz stack are fine). The
+    buffers are never normalised in place (torch 2.13 does that to bf16 ones without Nesterov).
+
+    Example:
+        >>> g, buf, mix = [torch.ones(4, 4)], [torch.zeros(4, 4)], [torch.empty(4, 4)]
+        >>> momentum_and_mix(g, buf, mix, momentum=0.95, nesterov=True)
+        >>> float(buf[0][0, 0]), float(mix[0][0, 0])  # (1-μ)·g, then (1-μ)·g + μ·buf
+        (0.05000000074505806, 0.09750001132488251)
+    """
+    kernels.muon_momentum(
+        [list(grads), list(bufs), list(mixes)],
+        momentum=float(momentum),
+        nesterov=bool(nesterov),
+        **kernels.as_is_kwargs(as_is),
+    )
+
+
+def decay_and_apply(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor | None] | None,
+    lr: float | torch.Tensor,
+    weight_decay: float,
+    lr_ratio: float,
+    *,
+    as_is: bool = False,
+) -> None:
+    """Muon's decay and apply, one fused pass (kernel ``muon_apply``):
+    ``p ← p·(1 − lr·weight_decay)`` (the unadjusted lr), then ``p ← p − lr·lr_ratio·update``,
+    rounded as torch.optim.Muon's ``p.mul_`` and ``p.add_`` are; ``outs`` (fp16/bf16 params
+    beside fp32 masters in ``params``, or None) get the rounded result in the same pass.
+
+    Args:
+        params: the params, or their fp32 masters.
+        updates: the orthogonalized updates (``ns_dtype``), one per param, of its numel.
+        outs: None, or one low-precision copy per param (None entries: no copy).
+        lr: the unadjusted lr, a number or a 1-element tensor on the params' device (read in
+            the kernel: no host sync, for capturable steps).
+        weight_decay: decoupled decay.
+        lr_ratio: the shape scale (``lr_ratio``) shared by every param of the call.
+
+    Example:
+        >>> p, u = [torch.ones(2, 2)], [torch.full((2, 2), 0.5, dtype=torch.bfloat16)]
+        >>> decay_and_apply(p, u, None, lr=0.1, weight_decay=0.1, lr_ratio=1.0)
+        >>> float(p[0][0, 0])  # 1 * (1 - 0.01) - 0.1 * 0.5
+        0.9399999976158142
+    """
+    outs = list(outs) if outs is not None else [None] * len(params)
+    lr_t = lr if torch.is_tensor(lr) and lr.device.type != "cpu" else None
+    args = dict(
+        lr=float(lr) if lr_t is None else 0.0,
+        weight_decay=float(weight_decay),
+        lr_ratio=float(lr_ratio),
+        lr_t=lr_t,
+        **kernels.as_is_kwargs(as_is),
+    )
+    for with_out in (False, True):  # params with a low-precision copy and those without
+        idx = [i for i, o in enumerate(outs) if (o is not None) == with_out]
+        if idx and not with_out and _torch_rounds_by_position(params[idx[0]], updates[idx[0]]):
+            _apply_as_torch([params[i] for i in idx], [updates[i] for i in idx], lr, args)
+        elif idx:
+            lists = [[params[i] for i in idx], [updates[i] for i in idx]]
+            kernels.muon_apply(lists + ([[outs[i] for i in idx]] if with_out else []), **args)
+
+
+# Note: Muon's apply on 16-bit CPU params
+# torch.optim.Muon's p.add_(update, alpha) on a bf16/fp16 CPU param with an update of its dtype
+# rounds by position: ATen's vector loop computes fma(alpha, u, p) in fp32 with alpha rounded to
+# the dtype, its scalar remainder (the last elements of each of its chunks, where the chunks fall
+# depending on the CPU's vector width and torch's thread count) rounds alpha * u to the dtype
+# first. No elementwise kernel can give both, so there FusedMuon runs torch's own mul_ and add_
+# (foreach over the call) and keeps its bits; everywhere else (CUDA, fp32/fp64 params, fp32
+# masters, an update of another dtype) muon_apply gives them in one pass.
+
+
+def _torch_rounds_by_position(param: torch.Tensor, update: torch.Tensor) -> bool:
+    """Whether ``param.add_(update)`` is the case of Note: Muon's apply on 16-bit CPU params."""
+    half = (torch.bfloat16, torch.float16)
+    return param.device.type == "cpu" and param.dtype in half and update.dtype == param.dtype
+
+
+def _apply_as_torch(params: list, updates: list, lr: Any, args: dict) -> None:
+    """torch.optim.Muon's ``p.mul_(1 - lr * wd)`` and ``p.add_(u, alpha=-lr * ratio)``."""
+    lr = float(lr)
+    decay = 1 - lr * args["weight_decay"]
+    if decay != 1:  # a CPU 0-dim fp64 factor: the fp32 product of torch's p.mul_(float)
+        torch._foreach_mul_(params, torch.tensor(decay, dtype=torch.float64))
+    torch._foreach_add_(params, [u.reshape(p.shape) for p, u in zip(params, updates)],
+                        alpha=-lr * args["lr_ratio"])  # fmt: skip

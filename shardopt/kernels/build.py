@@ -54,7 +54,16 @@ CSRC = _find_csrc()
 
 # The optimizers, by source stem: csrc/optim/<stem>_math.h, <stem>_cpu.cpp and <stem>_cuda.cu. Their
 # kernel entry points (declarations and Python bindings) are listed in csrc/kernels.def.
-OPTIMIZERS = ["adam", "adam_compact", "adam_blockwise", "sgd", "adagrad", "lamb", "novograd"]
+OPTIMIZERS = [
+    "adam",
+    "adam_compact",
+    "adam_blockwise",
+    "sgd",
+    "adagrad",
+    "lamb",
+    "novograd",
+    "muon",
+]
 # The norm and scale kernels: csrc/norm/<stem>_cpu.cpp and <stem>_cuda.cu.
 NORM_KERNELS = ["norm", "scale"]
 

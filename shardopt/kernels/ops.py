@@ -1,6 +1,6 @@
 """The Python wrapper of every kernel, generated from its spec (``kernels.specs``): ``adam``,
 ``adam_compact``, ``adam_blockwise``, ``sgd``, ``adagrad``, ``lamb_stage1``, ``lamb_stage2``,
-``novograd``, ``novograd_step``, ``norm`` and ``scale``.
+``novograd``, ``novograd_step``, ``muon_momentum``, ``muon_apply``, ``norm`` and ``scale``.
 
 A wrapper takes the kernel's tensor lists first (``lists``, a sequence of slots with the out slot
 optional; ``norm`` its one list ``tensors``), then its per-tensor vectors and scalars, positional
@@ -71,6 +71,8 @@ lamb_stage1 = _wrapper(SPECS["lamb_stage1"])
 lamb_stage2 = _wrapper(SPECS["lamb_stage2"])
 novograd = _wrapper(SPECS["novograd"])
 novograd_step = _wrapper(SPECS["novograd_step"])
+muon_momentum = _wrapper(SPECS["muon_momentum"])
+muon_apply = _wrapper(SPECS["muon_apply"])
 norm = _wrapper(SPECS["norm"])
 _scale = _wrapper(SPECS["scale"])
 

@@ -249,6 +249,20 @@ SPECS: dict[str, KernelSpec] = {
             "unless every argument passes the checks.",
         ),
         KernelSpec(
+            "muon_momentum(Tensor[] grads, Tensor(a!)[] bufs, Tensor(b!)[] mixes, "
+            "float momentum, bool nesterov) -> ()",
+            "Muon's momentum over [grads, bufs, mixes]: bufs = lerp(bufs, grads, 1 - momentum), "
+            "mixes = lerp(grads, bufs, momentum) with nesterov, else bufs; rounded to the bufs' "
+            "dtype as torch.optim.Muon's tensors, stored in the mixes' (ns_dtype).",
+        ),
+        KernelSpec(
+            "muon_apply(Tensor(a!)[] params, Tensor[] updates, Tensor(b!)[] outs, float lr, "
+            "float weight_decay, float lr_ratio, Tensor? lr_t=None) -> ()",
+            "Muon's decay and apply over [params, updates(, outs)]: params = params * (1 - lr * "
+            "weight_decay), then params += -lr * lr_ratio * updates (torch.optim.Muon's two "
+            "roundings; lr_t replaces lr on the device); outs get the rounded params.",
+        ),
+        KernelSpec(
             "norm(Tensor[] tensors, bool max_norm=False) -> (Tensor total, Tensor per_tensor)",
             "Deterministic (total, per_tensor) sums of squares, or max |x| with max_norm: fp32 "
             "(fp64 when every tensor is fp64); the tensors may mix dtypes and layouts.",

@@ -3,8 +3,8 @@ AdamW groups in the same optimizer.
 
 The algorithm (hyperparameters, defaults, checks, the Newton-Schulz iteration) is
 shardopt/algorithms/muon.py; the AdamW groups run FusedAdam's kernels (shardopt/algorithms/adam.py).
-The elementwise parts of Muon are ``torch._foreach_*`` ops (no C++ kernel yet: docs/spec.md
-"Known gaps").
+The elementwise parts of Muon are two fused kernels (``muon.momentum_and_mix``,
+``muon.decay_and_apply``: csrc/optim/muon_math.h).
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ class FusedMuon(FusedOptimizer):
     masters); AdamW groups keep fp32 state for fp16/bf16 params, as FusedAdam.
 
     All matrices of one shape in a group are orthogonalized together, one ``bmm`` chain in
-    ``ns_dtype``; the momentum, the Nesterov mix, the decay and the apply are ``torch._foreach_*``
-    ops over the group (a fused C++/CUDA kernel for them is the next step). AdamW groups run
+    ``ns_dtype`` (torch's iteration, or with ``ns_algorithm="gram"`` Gram Newton-Schulz). The
+    momentum with the Nesterov mix is one fused kernel pass that writes the Newton-Schulz input
+    straight into the stack in ``ns_dtype``; the decay and the apply (with the cast into
+    16-bit params beside fp32 masters) are a second one. AdamW groups run
     FusedAdam's fused kernels; their missing hyperparameters are FusedAdam's defaults (lr 1e-3,
     betas (0.9, 0.999), eps 1e-8, weight_decay 0, adam_w_mode and bias_correction on), not this
     constructor's.
@@ -60,13 +62,21 @@ class FusedMuon(FusedOptimizer):
         weight_decay: decoupled decay ``p *= 1 - lr * weight_decay`` (the unadjusted lr).
         momentum: EMA coefficient of the momentum buffer.
         nesterov: orthogonalize ``grad.lerp(buf, momentum)`` instead of the buffer.
-        ns_coefficients: one ``(a, b, c)`` triple for every step, or ``ns_steps`` triples.
+        ns_coefficients: one ``(a, b, c)`` triple for every step, ``ns_steps`` triples, or a
+            preset name (``"polar_express"``).
         eps: lower clamp of each matrix's Frobenius norm.
         ns_steps: Newton-Schulz steps (< 100).
         adjust_lr_fn: None / "original" (``sqrt(max(1, A/B))``) or "match_rms_adamw"
             (``0.2 * sqrt(max(A, B))``) for an A x B matrix.
         ns_dtype: dtype of the Newton-Schulz matmuls (bf16 as torch, or fp32, fp16, fp64).
         flatten: a param of 3+ dims is one ``(shape[0], rest)`` matrix instead of a stack.
+        ns_algorithm: "standard" (torch's) or "gram" (Gram Newton-Schulz: fewer FLOPs on wide
+            or tall matrices; square ones run the standard iteration).
+        ns_split: orthogonalize row blocks of each matrix separately, each with its own shape
+            scale: an int (blocks of that many rows: per head of a fused QKV) or row sizes
+            summing to the rows (q, k, v; gate, up). Usually set per param group.
+        capturable: the lr is read on the device (a tensor lr stays there) and no step syncs
+            with the host, so a step can be captured in a CUDA graph.
         master_weights: keep fp32 masters of fp16/bf16 params; the update is applied to the
             master and the rounded master written into the param.
         set_grad_none: default of ``zero_grad``'s ``set_to_none``.
@@ -74,7 +84,8 @@ class FusedMuon(FusedOptimizer):
         differentiable: must be False (True raises NotImplementedError).
 
     Raises:
-        ValueError: a Muon param with fewer than 2 dims (torch's message, with the way out);
+        ValueError: an ``ns_split`` that does not fit a param's rows; a Muon param with fewer
+            than 2 dims (torch's message, with the way out);
             the hyperparameter errors of torch.optim.Muon (negative lr, momentum, weight decay,
             an unknown ``adjust_lr_fn``, ``ns_steps >= 100``, coefficients not triples).
         TypeError: a param of a dtype other than fp32, fp16, bf16, fp64; a bad ``ns_dtype``.
@@ -101,7 +112,10 @@ class FusedMuon(FusedOptimizer):
         adjust_lr_fn: str | None = H.adjust_lr_fn,
         ns_dtype: torch.dtype = H.ns_dtype,
         flatten: bool = H.flatten,
+        ns_algorithm: str = H.ns_algorithm,
+        ns_split: Any = H.ns_split,
         *,
+        capturable: bool = False,
         master_weights: bool = False,
         set_grad_none: bool = True,
         foreach: bool | None = None,
@@ -119,6 +133,8 @@ class FusedMuon(FusedOptimizer):
             adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
             flatten=flatten,
+            ns_algorithm=ns_algorithm,
+            ns_split=ns_split,
         )
         check_torch_flags(
             type(self).__name__, foreach=foreach, fused=fused, differentiable=differentiable
@@ -127,6 +143,7 @@ class FusedMuon(FusedOptimizer):
             params,
             hyper,
             set_grad_none=set_grad_none,
+            capturable=capturable,
             master_weights=master_weights,
             extra_defaults={"use_muon": True},
         )
@@ -159,9 +176,17 @@ class FusedMuon(FusedOptimizer):
                     f"with size: {p.size()}. Optimize it with AdamW: put it in a param group with "
                     "use_muon=False, or build the groups with shardopt.muon_param_groups(model)"
                 )
+            muon.matrix_blocks(p.shape, group["flatten"], group.get("ns_split"))
 
     def _plan_key(self, group: dict) -> Any:
-        return self.master_weights, group["use_muon"], group.get("flatten")
+        split = group.get("ns_split")
+        split = split if split is None or isinstance(split, int) else tuple(split)
+        return self.master_weights, group["use_muon"], group.get("flatten"), split
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:  # read by torch.amp.GradScaler
+        # the Muon kernels take no grad_scale/found_inf: GradScaler unscales the grads itself
+        return False
 
     def _buffer_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The momentum buffer's dtype: the param's, as torch.optim.Muon keeps it (the grad's),
@@ -191,7 +216,8 @@ class FusedMuon(FusedOptimizer):
         if not group["use_muon"]:
             return math_params, outs, *self._named_state(params, adam.STATE_NAMES)
         (bufs,) = self._named_state(params, muon.STATE_NAMES)
-        return math_params, outs, bufs, _shape_batches(params, group["flatten"])
+        batches = _shape_batches(params, group["flatten"], group.get("ns_split"))
+        return math_params, outs, bufs, batches
 
     def _apply(self, group: dict, grads: list, tensors: tuple, as_is: bool) -> None:
         if not group["use_muon"]:
@@ -202,10 +228,8 @@ class FusedMuon(FusedOptimizer):
             )  # fmt: skip
             return
         math_params, outs, bufs, batches = tensors
-        _muon_step(group, grads, math_params, bufs, batches)
-        if outs is not None:
-            pairs = [(o, m) for o, m in zip(outs, math_params) if o is not None]
-            torch._foreach_copy_([o for o, _ in pairs], [m for _, m in pairs])
+        _, lr = self._step_and_lr(group, math_params[0].device)
+        _muon_step(group, grads, math_params, outs, bufs, batches, lr, as_is)
 
     def _check_state_keys(self, saved_state: dict, saved_groups: list[dict]) -> None:
         owner = type(self).__name__
@@ -215,47 +239,102 @@ class FusedMuon(FusedOptimizer):
             check_state_keys(mine, names, owner)
 
 
-def _shape_batches(params: list, flatten: bool) -> tuple:
-    """``((rows, cols, indices, counts), ...)``: the params of each logical matrix shape (their
-    indices in ``params``) and how many matrices each holds, in order of first appearance."""
-    batches: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """The matrices of one shape (``rows`` x ``cols``) of a group, stacked for one Newton-Schulz
+    chain: ``direct`` params ``(index, offset, count)`` are whole views of the stack (their mix
+    is written there by the momentum kernel); ``gathered`` row blocks ``(index, offset, count,
+    row_start)`` of params split unevenly are copied in and out."""
+
+    rows: int
+    cols: int
+    matrices: int
+    direct: tuple[tuple[int, int, int], ...]
+    gathered: tuple[tuple[int, int, int, int], ...]
+
+
+def _shape_batches(params: list, flatten: bool, ns_split: Any = None) -> tuple[_Batch, ...]:
+    """The stacks of a group's Newton-Schulz (see ``_Batch``), in order of first appearance."""
+    found: dict[tuple[int, int], tuple[list, list, list]] = {}
     for i, p in enumerate(params):
         count, rows, cols = muon.matrix_shape(p.shape, flatten)
-        indices, counts = batches.setdefault((rows, cols), ([], []))
-        indices.append(i)
-        counts.append(count)
-    return tuple((rows, cols, idx, counts) for (rows, cols), (idx, counts) in batches.items())
+        sizes = muon.split_rows(rows, ns_split)
+        if len(set(sizes)) == 1:  # even blocks: a view of the param, (count * blocks, size, cols)
+            size, blocks = sizes[0], len(sizes)
+            total, direct, _ = found.setdefault((size, cols), ([0], [], []))
+            direct.append((i, total[0], count * blocks))
+            total[0] += count * blocks
+            continue
+        row = 0
+        for size in sizes:
+            total, _, gathered = found.setdefault((size, cols), ([0], [], []))
+            gathered.append((i, total[0], count, row))
+            total[0] += count
+            row += size
+    return tuple(
+        _Batch(rows, cols, total[0], tuple(direct), tuple(gathered))
+        for (rows, cols), (total, direct, gathered) in found.items()
+    )
 
 
-def _muon_step(group: dict, grads: list, params: list, bufs: list, batches: tuple) -> None:
-    """One Muon update of ``params`` (fp32 masters where kept) and their momentum buffers."""
-    momentum = group["momentum"]
-    lr = float(group["lr"])
-    grads = [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(grads, bufs)]
-    torch._foreach_lerp_(bufs, grads, 1 - momentum)
-    # the Newton-Schulz input is copied into the stacks below, so the buffer is never normalised
-    # in place (torch 2.13 does that to bf16 buffers without Nesterov)
-    updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-    decay = 1 - lr * group["weight_decay"]
-    if decay != 1:
-        # torch's p.mul_(decay) computes in fp32 for bf16 params; _foreach_mul_ with a float
-        # rounds the factor to bf16 on CPU, with a CPU 0-dim tensor it does not (on CUDA lists
-        # torch reads that tensor as a host scalar, its opmath path)
-        torch._foreach_mul_(params, torch.tensor(decay, dtype=torch.float64))
-    coefficients = muon.coefficient_triples(group["ns_coefficients"], group["ns_steps"])
-    for rows, cols, indices, counts in batches:
-        stack = torch.empty(
-            (sum(counts), rows, cols), dtype=group["ns_dtype"], device=params[0].device
-        )
-        torch._foreach_copy_(
-            list(stack.split(counts)),
-            [updates[i].reshape(c, rows, cols) for i, c in zip(indices, counts)],
-        )
-        ortho = muon.newton_schulz(stack, coefficients, group["eps"])
-        targets = [params[i] for i in indices]
-        pieces = [o.reshape(p.shape) for o, p in zip(ortho.split(counts), targets)]
-        ratio = muon.lr_ratio(group["adjust_lr_fn"], rows, cols)
-        torch._foreach_add_(targets, pieces, alpha=-lr * ratio)
+def _muon_step(
+    group: dict,
+    grads: list,
+    params: list,
+    outs: list | None,
+    bufs: list,
+    batches: tuple[_Batch, ...],
+    lr: Any,
+    as_is: bool,
+) -> None:
+    """One Muon update of ``params`` (fp32 masters where kept, ``outs`` their 16-bit params):
+    the fused momentum kernel writes each Newton-Schulz input into its stack, one chain per
+    shape, the fused apply kernel decays and adds. See shardopt/algorithms/muon.py."""
+    device, dtype = params[0].device, group["ns_dtype"]
+    stacks = [
+        torch.empty((b.matrices, b.rows, b.cols), dtype=dtype, device=device) for b in batches
+    ]
+    mixes: list = [None] * len(params)
+    for b, stack in zip(batches, stacks):
+        for i, offset, count in b.direct:
+            mixes[i] = stack[offset : offset + count].view(params[i].shape)
+    gathered = sorted({i for b in batches for i, *_ in b.gathered})
+    for i in gathered:
+        mixes[i] = torch.empty(params[i].shape, dtype=dtype, device=device)
+    muon.momentum_and_mix(grads, bufs, mixes, group["momentum"], group["nesterov"], as_is=as_is)
+    for b, stack in zip(batches, stacks):
+        for i, offset, count, row in b.gathered:
+            blocks = _row_blocks(mixes[i], group["flatten"], row, b.rows)
+            stack[offset : offset + count].copy_(blocks)
+    updates: list = [None] * len(params)
+    for b, stack in zip(batches, stacks):
+        ortho = muon.orthogonalize(stack, group)
+        ratio = muon.lr_ratio(group["adjust_lr_fn"], b.rows, b.cols)
+        for i, offset, count, row in b.gathered:  # each block with its own shape scale
+            if updates[i] is None:
+                updates[i] = torch.empty(params[i].shape, dtype=dtype, device=device)
+            target = _row_blocks(updates[i], group["flatten"], row, b.rows)
+            target.copy_(ortho[offset : offset + count]).mul_(ratio)
+        if not b.direct:
+            continue
+        index = [i for i, _, _ in b.direct]
+        pieces = [ortho[o : o + c].reshape(params[i].shape) for i, o, c in b.direct]
+        muon.decay_and_apply(
+            [params[i] for i in index], pieces, None if outs is None else [outs[i] for i in index],
+            lr, group["weight_decay"], ratio, as_is=as_is,
+        )  # fmt: skip
+    if gathered:
+        muon.decay_and_apply(
+            [params[i] for i in gathered], [updates[i] for i in gathered],
+            None if outs is None else [outs[i] for i in gathered],
+            lr, group["weight_decay"], 1.0, as_is=as_is,
+        )  # fmt: skip
+
+
+def _row_blocks(t: torch.Tensor, flatten: bool, row: int, size: int) -> torch.Tensor:
+    """Rows ``[row, row + size)`` of each logical matrix of ``t``: a (count, size, cols) view."""
+    count, rows, cols = muon.matrix_shape(t.shape, flatten)
+    return t.view(count, rows, cols)[:, row : row + size]
 
 
 def _drop_muon_steps(optimizer: FusedMuon, state_dict: dict[str, Any]) -> dict[str, Any]:

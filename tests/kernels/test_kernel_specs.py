@@ -221,6 +221,14 @@ def _cases() -> dict[str, tuple[str, tuple, dict]]:
             (p, m, v, [], torch.rand(2) + 1, torch.rand(2) + 1, 0.1, *hyper, True, False),
             {"squared": True},
         ),
+        "muon_momentum": ("muon_momentum", (g, m, bf16, 0.95, True), {}),
+        "muon_momentum_fp32_mix": ("muon_momentum", (g, m, [t.clone() for t in v], 0.9, False), {}),
+        "muon_apply": ("muon_apply", (p, bf16, [], 0.02, 0.1, 1.5), {}),
+        "muon_apply_out": (
+            "muon_apply",
+            (p, bf16, [t.clone() for t in bf16], 0.02, 0.1, 1.5),
+            {"lr_t": one * 0.02},
+        ),  # fmt: skip
         "norm": ("norm", (g, False), {}),
         "norm_fp64_max": ("norm", (_slots(1, torch.float64)[0], True), {}),
         "scale": ("scale", (g, [t.clone() for t in g], 2.0, None, torch.zeros(1)), {}),
