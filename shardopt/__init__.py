@@ -24,6 +24,7 @@ from shardopt.zero import (
     DistributedFusedAdagrad,
     DistributedFusedAdam,
     DistributedFusedLAMB,
+    DistributedFusedMuon,
     DistributedFusedNovoGrad,
     DistributedFusedSGD,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "DistributedFusedAdagrad",
     "DistributedFusedAdam",
     "DistributedFusedLAMB",
+    "DistributedFusedMuon",
     "DistributedFusedNovoGrad",
     "DistributedFusedSGD",
     "FusedAdagrad",

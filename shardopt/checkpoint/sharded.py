@@ -323,7 +323,12 @@ def load(
         metadata = meta.read_metadata(path)
         check_compatible(metadata, optimizer, path)
         check_loaded_groups(metadata["param_groups"], optimizer.param_groups, str(path))
-        _check_hyperparameters(metadata["param_groups"], optimizer.defaults, path)
+        # per group: DistributedFusedMuon's AdamW groups hold none of its Muon defaults
+        expected = [
+            {k: v for k, v in optimizer.defaults.items() if k in group}
+            for group in optimizer.param_groups
+        ]
+        _check_hyperparameters(metadata["param_groups"], expected, path)
         mine: dict[int, list[Range]] = {}
         for frag in optimizer.shard_fragments():
             mine.setdefault(frag.param, []).append(frag.param_range)
@@ -405,10 +410,11 @@ def _check_coverage(path: Path, metadata: dict, payloads: list, optimizer) -> No
                 )
 
 
-def _check_hyperparameters(groups: list, defaults: dict, path: Path) -> None:
-    """Every saved group holds each hyperparameter of the optimizer, of the default's kind."""
-    for i, group in enumerate(groups):
-        for name, default in defaults.items():
+def _check_hyperparameters(groups: list, defaults: list[dict], path: Path) -> None:
+    """Every saved group holds each hyperparameter of the optimizer's group (``defaults[i]``:
+    the optimizer's defaults that group has), of the default's kind."""
+    for i, (group, group_defaults) in enumerate(zip(groups, defaults)):
+        for name, default in group_defaults.items():
             value = group.get(name)
             if name not in group:
                 raise CheckpointError(f"{path}: param group {i} has no '{name}'")

@@ -1,6 +1,7 @@
 """The ZeRO sharding engine and the DistributedFused* optimizers."""
 
 from shardopt.zero.hsdp import HSDPGroups, hsdp_groups
+from shardopt.zero.muon import DistributedFusedMuon
 from shardopt.zero.offload.plan import CPUOffload
 from shardopt.zero.optimizers import (
     DistributedFusedAdagrad,
@@ -15,6 +16,7 @@ __all__ = [
     "DistributedFusedAdagrad",
     "DistributedFusedAdam",
     "DistributedFusedLAMB",
+    "DistributedFusedMuon",
     "DistributedFusedNovoGrad",
     "DistributedFusedSGD",
     "HSDPGroups",
