@@ -16,6 +16,8 @@
 # wheel in $APEX_DIR, default .apex: `python launch_scripts/device/apex_suite.py extract --from APEX_GIT`
 # and `pip download expecttest --no-deps -d .apex/wheels` here, and name .apex in the carry). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
 # the end (the device tool returns at most 8 files).
+# muon: bench_muon.py (FusedMuon against torch.optim.Muon and the peers, Newton-Schulz against the bf16
+# GEMM rate) after installing the wheels carried in .muonwheels/ (name .muonwheels in the carry).
 #   bash launch_scripts/device/device_run.sh tests parity kernels
 set -uo pipefail
 FINAL=${OUT:-/tmp/shardopt-out}
@@ -93,6 +95,13 @@ for s in "$@"; do
                  ${QUALITY_ARGS:-} --out-dir "/tmp/quality_$f" --no-progress > "$OUT/quality_$f.log" 2>&1
                echo "$f: $(grep -E "^final:" "$OUT/quality_$f.log" | tail -1)"
              done ;;
+    muon) for w in .muonwheels/*.whl; do  # one at a time: a wheel that fails leaves its peer out
+               python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/muonsite "$w" \
+                 >> "$OUT/muon_install.log" 2>&1 || echo "not installed: $w"
+             done
+             PYTHONPATH=$PYTHONPATH:/tmp/muonsite timeout 270 python3 launch_scripts/bench/bench_muon.py --budget-s 235 \
+               --out "$OUT/bench_muon.json" --jsonl "$OUT/bench_muon.jsonl" --md "$OUT/bench_muon.md" > "$OUT/bench_muon.log" 2>&1
+             cat "$OUT/bench_muon.md" 2>/dev/null || tail -40 "$OUT/bench_muon.log" ;;
     *) echo "unknown stage $s" ;;
   esac
 done

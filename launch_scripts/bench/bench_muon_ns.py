@@ -1,0 +1,143 @@
+"""The Newton-Schulz part of bench_muon.py and the bf16 GEMM ceiling it is compared with.
+
+For one set's Muon matrices, stacked by shape in bf16 as FusedMuon stacks them: shardopt's batched
+``newton_schulz`` (and Gram Newton-Schulz where shardopt has it), torch.optim.Muon's iteration
+one matrix at a time, and the same products as plain ``torch.bmm`` into preallocated outputs
+(the GEMM ceiling at these shapes). Rates count ``bench_muon_sets.ns_flops`` for every variant:
+an iteration that skips work (Gram) is credited with the standard count, as the issue's target
+says.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_common import free_memory, median, time_fn
+from bench_muon_sets import ns_flops
+
+NS_STEPS = 5
+EPS = 1e-7
+COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def _rate(flops: float, ms: float) -> float:
+    return flops / ms / 1e9  # TFLOP/s
+
+
+def _stacks(shapes: list[tuple[int, int, int]], device: torch.device) -> list[torch.Tensor]:
+    """Random bf16 stacks, one per shape; never zeros (zeros run faster than data)."""
+    return [torch.randn(c, r, k, device=device, dtype=torch.bfloat16) for c, r, k in shapes]
+
+
+def gemm_square(n: int, device: torch.device, timing: dict[str, Any]) -> dict[str, Any]:
+    """The bf16 rate of one ``n``³ matmul into a preallocated output."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    ms = median(time_fn(lambda: torch.mm(a, b, out=out), device, **timing))
+    flops = 2.0 * n**3
+    a = b = out = None
+    free_memory(device)
+    return {
+        "kind": "gemm",
+        "what": f"mm {n}^3",
+        "ms": ms,
+        "flops": flops,
+        "tflops": _rate(flops, ms),
+    }
+
+
+def _gemm_chain(stacks: list[torch.Tensor]) -> Callable[[], None]:
+    """The products of 5 Newton-Schulz steps as plain ``bmm`` with preallocated outputs (each
+    stack taken wide, n <= m): ``X Xᵀ`` (n x n), ``A A`` (n x n), ``B X`` (n x m)."""
+    work = []
+    for x in stacks:
+        if x.size(-2) > x.size(-1):
+            x = x.mT.contiguous()
+        k, n, _ = x.shape
+        gram = torch.empty(k, n, n, device=x.device, dtype=x.dtype)
+        square = torch.empty_like(gram)
+        out = torch.empty_like(x)
+        work.append((x, gram, square, out))
+
+    def run() -> None:
+        for _ in range(NS_STEPS):
+            for x, gram, square, out in work:
+                torch.bmm(x, x.mT, out=gram)
+                torch.bmm(gram, gram, out=square)
+                torch.bmm(square, x, out=out)
+
+    return run
+
+
+def _shardopt_ns(muon_alg: Any, name: str) -> Callable | None:
+    """shardopt's Newton-Schulz function ``name`` if it exists and takes (x, coefficients, eps)."""
+    fn = getattr(muon_alg, name, None)
+    if fn is None:
+        return None
+    params = list(inspect.signature(fn).parameters)
+    return fn if params[:3] == ["x", "coefficients", "eps"] else None
+
+
+def measure_ns(
+    set_name: str,
+    shapes: list[tuple[int, int, int]],
+    device: torch.device,
+    timing: dict[str, Any],
+    muon_alg: Any,
+    gemm_tflops: float | None,
+) -> list[dict[str, Any]]:
+    """Rows of the Newton-Schulz part of one set: each variant's ms and TFLOP/s, and its share
+    of the 8192³ GEMM rate and of the same-shape GEMM rate (both measured in this run)."""
+    flops = ns_flops(shapes, NS_STEPS)
+    coefficients = [COEFFICIENTS] * NS_STEPS
+    variants: list[tuple[str, Callable[[list[torch.Tensor]], Callable[[], Any]]]] = [
+        ("gemm_same_shapes", _gemm_chain),
+        (
+            "shardopt_batched",
+            lambda st: lambda: [muon_alg.newton_schulz(x, coefficients, EPS) for x in st],
+        ),
+    ]
+    gram = _shardopt_ns(muon_alg, "gram_newton_schulz")
+    if gram is not None:
+        variants.append(
+            ("shardopt_gram_batched", lambda st: lambda: [gram(x, coefficients, EPS) for x in st])
+        )
+    torch_ns = getattr(getattr(torch.optim, "_muon", None), "_zeropower_via_newtonschulz", None)
+    if torch_ns is not None:
+        variants.append(
+            (
+                "torch_one_at_a_time",
+                lambda st: (
+                    lambda: [
+                        torch_ns(m, COEFFICIENTS, NS_STEPS, EPS) for x in st for m in x.unbind(0)
+                    ]
+                ),
+            )
+        )
+    rows = []
+    same_shape_tflops = None
+    for what, build in variants:
+        row: dict[str, Any] = {"kind": "ns", "set": set_name, "what": what, "flops": flops}
+        stacks = None
+        try:
+            # newton_schulz normalises its input in place: later calls see a matrix of norm 1,
+            # the same work on the same values
+            stacks = _stacks(shapes, device)
+            ms = median(time_fn(build(stacks), device, **timing))
+            row.update(ms=ms, tflops=_rate(flops, ms))
+            if what == "gemm_same_shapes":
+                same_shape_tflops = row["tflops"]
+            if gemm_tflops:
+                row["of_gemm"] = row["tflops"] / gemm_tflops
+            if same_shape_tflops and what != "gemm_same_shapes":
+                row["of_gemm_same_shapes"] = row["tflops"] / same_shape_tflops
+        except Exception as exc:  # out of memory at a shape, a variant missing on this torch
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            stacks = None
+            free_memory(device)
+        rows.append(row)
+    return rows
