@@ -234,6 +234,29 @@ def bf16_without_nesterov(rank, world):
     assert sd["state"][0]["momentum_buffer"].float().norm() > 0.05 * g.norm()  # not normalised
 
 
+def remainders(rank, world):
+    """store_param_remainders=True: bf16 params plus int16 remainders are the fp32 masters of
+    FusedMuon(master_weights=True) (the params round half away from zero: within an ulp)."""
+    shapes = MUON_SHAPES
+    params, ref = _params(torch.bfloat16, shapes), _params(torch.bfloat16, shapes)
+    opt = shardopt.DistributedFusedMuon(
+        params, **MUON, store_param_remainders=True, bucket_cap_mb=BUCKETS["tiny"]
+    )
+    ref_opt = shardopt.FusedMuon(ref, **MUON, master_weights=True)
+    for step in range(3):
+        _backward(opt, params, step, rank, 1)
+        opt.step()
+        for q, a in zip(ref, _avg(world, step, 1, shapes)):
+            q.grad = a.to(torch.bfloat16)
+        ref_opt.step()
+        for p, q in zip(params, ref):
+            assert (p.float() - q.float()).abs().max() <= 2**-7 * q.float().abs().max()
+    sd = opt.state_dict()
+    for i, q in enumerate(ref):
+        master = ref_opt.state[q]["master_param"].float()
+        torch.testing.assert_close(sd["state"][i]["master_param"], master, rtol=1e-6, atol=1e-6)
+
+
 def state_dicts_torch_and_fused(rank, world):
     """Ours loads into torch.optim.Muon and FusedMuon and theirs into ours; one more step of
     each agrees (2-D params: torch.optim.Muon takes no others)."""
@@ -457,6 +480,7 @@ CASES = {
         ns_is_orthogonal,
         clip_before_momentum,
         bf16_without_nesterov,
+        remainders,
         state_dicts_torch_and_fused,
         collectives_per_step,
         grad_scaler,
