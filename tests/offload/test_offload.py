@@ -37,6 +37,7 @@ import shardopt
 from shardopt import checkpoint
 from shardopt.zero.layout import Range
 from shardopt.zero.offload import host_memory, host_numa
+from shardopt.zero.offload import plan as offload_plan
 from shardopt.zero.offload.plan import plan_fraction, split_params, thread_budget
 from shardopt.zero.offload.worker import Progress, _SwitchInterval
 
@@ -106,17 +107,23 @@ def _backward(model, rank, step, scaler=None, inf=False, solo=False):
     loss.backward()
 
 
-def _same(a, b, what):
+def _same(a, b, what, tol=None):
+    """``a`` and ``b`` (tensors, nested in dicts, lists and tuples) are equal bit for bit; with
+    ``tol`` (``torch.testing.assert_close``'s rtol and atol) floating tensors only that close."""
     if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), what
+        assert torch.is_tensor(b) and a.dtype == b.dtype, what
+        if tol is not None and a.is_floating_point():
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{what}: {m}")
+        else:
+            assert torch.equal(a, b), what
     elif isinstance(a, dict):
         assert set(a) == set(b), (what, set(a) ^ set(b))
         for k in a:
-            _same(a[k], b[k], f"{what}.{k}")
+            _same(a[k], b[k], f"{what}.{k}", tol)
     elif isinstance(a, list | tuple):
         assert len(a) == len(b), what
         for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{what}[{i}]")
+            _same(x, y, f"{what}[{i}]", tol)
     else:
         assert a == b, (what, a, b)
 
@@ -646,22 +653,26 @@ def memory_split(rank, world):
         off.memory_bytes("gpu")
 
 
+def _changed(**fields) -> shardopt.CPUOffload:
+    """A CPUOffload whose fields were set past its checks (``object.__setattr__``)."""
+    offload = shardopt.CPUOffload()
+    for name, value in fields.items():
+        object.__setattr__(offload, name, value)
+    return offload
+
+
 def refusals(rank, world):
+    """What only the build can check (a NUMA node of this host, threads above its CPUs, fields
+    set past the constructor's checks) raises there, naming the optimizer; on one rank only,
+    every rank raises."""
     model = _model(torch.float32)
     cases = [
         ("gpu", ValueError, "offload must be"),
         (3, TypeError, "offload must be"),
-        (shardopt.CPUOffload(fraction=1.5), ValueError, "fraction"),
-        (shardopt.CPUOffload(fraction="most"), TypeError, "fraction"),
-        (shardopt.CPUOffload(threads=0), ValueError, "threads"),
-        (shardopt.CPUOffload(staging_slots=0), ValueError, "staging_slots"),
-        (shardopt.CPUOffload(overlap_backward="yes"), ValueError, "overlap_backward"),
-        (shardopt.CPUOffload(huge_pages=1), TypeError, "huge_pages"),
-        (shardopt.CPUOffload(switch_interval=0), ValueError, "switch_interval"),
-        (shardopt.CPUOffload(switch_interval="short"), ValueError, "switch_interval"),
-        (shardopt.CPUOffload(numa_node=-1), ValueError, "numa_node"),
-        (shardopt.CPUOffload(numa_node="near"), ValueError, "numa_node"),
         (shardopt.CPUOffload(numa_node=4095), ValueError, "NUMA node 4095 has no CPU"),
+        (shardopt.CPUOffload(threads=offload_plan.max_threads() + 1), ValueError, "at most"),
+        (_changed(fraction=1.5), ValueError, "Adam: CPUOffload.fraction must be in"),
+        (_changed(staging_slots=0), ValueError, "Adam: CPUOffload.staging_slots"),
     ]
     for bad, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -957,6 +968,42 @@ def test_switch_interval_is_lowered_while_workers_run_and_put_back():
         assert sys.getswitchinterval() == pytest.approx(0.01)
     finally:
         sys.setswitchinterval(saved)
+
+
+MAX_SLOTS = offload_plan.MAX_STAGING_SLOTS
+#: CPUOffload(**kwargs) -> (exception, the field its message names)
+CONSTRUCTION_REFUSALS = [
+    (dict(fraction=1.5), ValueError, "fraction must be in"),
+    (dict(fraction="most"), TypeError, "fraction must be a float"),
+    (dict(fraction=True), TypeError, "fraction must be a float"),
+    (dict(threads=0), ValueError, "threads must be"),
+    (dict(threads=2.0), ValueError, "threads must be"),
+    (dict(staging_slots=0), ValueError, "staging_slots must be"),
+    (dict(staging_slots=MAX_SLOTS + 1), ValueError, "staging_slots must be .* at most 16"),
+    (dict(overlap_backward="yes"), ValueError, "overlap_backward must be"),
+    (dict(pin_memory="yes"), TypeError, "pin_memory must be a bool"),
+    (dict(huge_pages=1), TypeError, "huge_pages must be a bool"),
+    (dict(switch_interval=0), ValueError, "switch_interval must be"),
+    (dict(switch_interval="short"), ValueError, "switch_interval must be"),
+    (dict(numa_node=-1), ValueError, "numa_node must be"),
+    (dict(numa_node="near"), ValueError, "numa_node must be"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", CONSTRUCTION_REFUSALS, ids=lambda v: str(v))
+def test_cpu_offload_checks_its_fields_at_construction(kwargs, exc, match):
+    """No process group needed: the dataclass itself refuses, naming the field."""
+    with pytest.raises(exc, match=f"^CPUOffload\\.{match}"):
+        shardopt.CPUOffload(**kwargs)
+
+
+def test_cpu_offload_bounds_are_accepted():
+    """The largest values the constructor allows (threads' host bound is the build's)."""
+    c = shardopt.CPUOffload(fraction=0, staging_slots=MAX_SLOTS, threads=10**6, numa_node=None)
+    assert (c.fraction, c.staging_slots, c.threads) == (0, MAX_SLOTS, 10**6)
+    assert (
+        shardopt.CPUOffload(overlap_backward="auto", switch_interval=None).switch_interval is None
+    )
 
 
 def test_public_api():

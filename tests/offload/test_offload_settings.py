@@ -5,11 +5,14 @@
   depends on them (``fraction="auto"`` runs collectives the other ranks would skip), also
   between HSDP replicas; no hang.
 - ``staging_slots`` and ``threads`` have upper bounds (a ValueError naming the field and the
-  bound on every rank, also when only one rank got it wrong), not an allocation that grows
-  until the kernel kills the process or an overflow deep in torch.
+  bound: ``staging_slots`` when the ``CPUOffload`` is made, ``threads`` against the host's CPUs
+  on every rank when the optimizer is built, also when only one rank got it wrong), not an
+  allocation that grows until the kernel kills the process or an overflow deep in torch.
 - A host allocation that fails names the offloaded state, the bytes asked for and the remedies,
   on every rank (also when only one rank's allocation failed), at construction and for the
   staging slots; at auto's re-plan every rank keeps the fraction in effect instead.
+- Offload is visible without logging configured: one stderr line on rank 0 per optimizer,
+  none once a handler is configured (an INFO line instead); ``str(optimizer.offload_plan)``.
 - ``fraction < 1`` at world 3: the offloaded and the GPU part of the shard are updated with the
   bits of no offload (grads that one rank alone contributes, so that the reduce-scatter's order
   of summation, which depends on the key split at three ranks or more, changes no bit).
@@ -17,13 +20,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 
 import pytest
 import torch
 from dist_harness import run_cases
 from test_offload import BF16, _model, _opt, _same, _train
-from test_offload_auto import ENV, HALF, _forced
+from test_offload_auto import ENV, HALF, _forced, _Records
 
 import shardopt
 from shardopt.zero.offload import host_memory
@@ -79,19 +85,19 @@ def hsdp_settings_differ(rank, world):
 
 
 def bounds(rank, world):
+    """``staging_slots`` is bounded at construction (no process group needed); ``threads``
+    against this host's CPUs when the optimizer is built, on every rank (also where one rank's
+    host has fewer: that rank raises, the others name it, none hangs)."""
     model = _model(torch.float32)
-    cases = [
-        (shardopt.CPUOffload(staging_slots=10**9), "staging_slots"),
-        (shardopt.CPUOffload(staging_slots=offload_plan.MAX_STAGING_SLOTS + 1), "staging_slots"),
-        (shardopt.CPUOffload(threads=2**31), "threads"),
-        (shardopt.CPUOffload(threads=offload_plan.max_threads() + 1), "threads"),
-    ]
-    for bad, field in cases:
-        with pytest.raises(ValueError, match=f"CPUOffload.{field} must be .* at most"):
-            _opt("Adam", model, bad)
+    for slots in (10**9, offload_plan.MAX_STAGING_SLOTS + 1):
+        with pytest.raises(ValueError, match="^CPUOffload.staging_slots must be .* at most"):
+            shardopt.CPUOffload(staging_slots=slots)
+    for threads in (2**31, offload_plan.max_threads() + 1):
+        with pytest.raises(ValueError, match="Adam: CPUOffload.threads must be .* at most"):
+            _opt("Adam", model, shardopt.CPUOffload(threads=threads))
     # wrong on one rank only: every rank raises
-    one = shardopt.CPUOffload(staging_slots=10**9 if rank == world - 1 else 2)
-    with pytest.raises(ValueError, match="staging_slots"):
+    one = shardopt.CPUOffload(threads=2**31 if rank == world - 1 else 1)
+    with pytest.raises(ValueError, match="threads"):
         _opt("Adam", model, one)
     top = shardopt.CPUOffload(
         staging_slots=offload_plan.MAX_STAGING_SLOTS, threads=offload_plan.max_threads()
@@ -191,7 +197,63 @@ def partial_fraction_world3(rank, world):
         _same(plain, split, f"{name} fraction 0.5 at world 3")
 
 
+def _announced(build) -> tuple[object, list[str]]:
+    """(what ``build()`` returned, the lines of shardopt's it wrote to stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        result = build()
+    return result, [line for line in err.getvalue().splitlines() if "shardopt:" in line]
+
+
+def offload_is_visible(rank, world):
+    """Without logging configured, rank 0 prints one line per offloading optimizer to stderr
+    (none for one without offload, none at auto's re-plan or in steps); with a handler on the
+    ``shardopt`` logger, nothing on stderr and one INFO line instead. ``str(offload_plan)`` says
+    what is where on every rank (see Note: offload is visible in shardopt/zero/offload/auto.py)."""
+    logger = logging.getLogger("shardopt")
+    assert not logger.hasHandlers(), "the case needs a process without logging configured"
+    mine = 1 if rank == 0 else 0
+    model = _model(torch.float32)
+    opt, lines = _announced(lambda: _opt("Adam", model, "cpu"))
+    assert len(lines) == mine, lines
+    if rank == 0:
+        assert "DistributedFusedAdam: CPU offload is on" in lines[0], lines
+        assert f"{opt.offload_plan.host_params} params on the host" in lines[0], lines
+        assert "print(optimizer.offload_plan)" in lines[0], lines
+    text = str(opt.offload_plan)
+    assert text.startswith("CPU offload at fraction 1.000 (asked: 1.0):"), text
+    assert f"{opt.offload_plan.host_params} params" in text and "fraction=1.0 as requested" in text
+    _, lines = _announced(lambda: _train(model, opt, rank, range(2)))
+    assert lines == [], lines
+    opt.close()
+    _, lines = _announced(lambda: _opt("Adam", _model(torch.float32), None))
+    assert lines == [], lines
+    _forced(HALF)  # auto re-plans to 0.5 after step 3: a rebuild, announced no second time
+    try:
+        model = _model(torch.float32)
+        opt, lines = _announced(lambda: _opt("Adam", model, shardopt.CPUOffload("auto")))
+        assert len(lines) == mine and (not lines or "fraction='auto'" in lines[0]), lines
+        _, lines = _announced(lambda: _train(model, opt, rank, range(5)))
+        assert opt.offload_plan.replanned_at_step == 3 and lines == [], lines
+        assert str(opt.offload_plan).startswith("CPU offload at fraction 0.500 (asked: 'auto')")
+    finally:
+        os.environ.pop(ENV, None)
+    opt.close()
+    records = _Records()
+    logger.addHandler(records)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        opt, lines = _announced(lambda: _opt("Adam", _model(torch.float32), "cpu"))
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert lines == [], lines
+    assert records.lines == ([f"DistributedFusedAdam: {opt.offload_plan}"] if mine else [])
+
+
 PLAN = [
+    (1, [offload_is_visible]),
     (2, [settings_differ, bounds, host_allocation_fails, replan_allocation_fails]),
     (
         3,
@@ -201,6 +263,7 @@ PLAN = [
             host_allocation_fails,
             replan_allocation_fails,
             partial_fraction_world3,
+            offload_is_visible,
         ],
     ),
     (4, [hsdp_settings_differ]),

@@ -7,6 +7,14 @@ picked from measured times after the first steps and applied once at a step boun
 (offload_replan.py, Note: what auto measures). Rank 0 decides; every rank takes its decision
 (the key split must be the same everywhere; with HSDP, the first replica's). ``attach`` gives a
 built optimizer its plan, its pipeline and, for auto, the timer of its first steps.
+
+Note: offload is visible. A user must see that offload is on without configuring logging, and
+a configured run must not get lines it did not ask for. So rank 0 announces each optimizer's
+plan once, at construction: at INFO on the ``shardopt`` logger (``fraction="auto"``: its
+decision after the first steps, offload_replan.py), and, only where logging is not configured
+at all (``logging.getLogger("shardopt").hasHandlers()`` is false: no handler on it or above
+it), one line to stderr naming what is offloaded and how to see more. ``print(opt.offload_plan)``
+(``OffloadPlan.__str__``) gives the whole plan in one line, on any rank (docs/offload.md).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -232,16 +241,33 @@ def record(optimizer, settings: CPUOffload | None, fraction: float | None) -> Of
         device_bytes_saved=saved,
         numa_node=optimizer._offload_placement.node if optimizer._offload_placement else None,
     )
-    # auto logs its decision once, when it is taken after the first steps (offload_replan.py)
-    if optimizer.rank == 0 and settings.fraction != "auto":
-        logger.info(
-            "%s: CPU offload of %d params (%d shard elements) on %d threads%s, %d params on "
-            "the GPU; %s",
-            type(optimizer).__name__, plan.host_params, plan.host_numel, plan.threads,
-            "" if plan.numa_node is None else f" of NUMA node {plan.numa_node}",
-            plan.device_params, plan.reason,
-        )  # fmt: skip
+    if optimizer.rank == 0 and not getattr(optimizer, "_offload_announced", False):
+        announce(type(optimizer).__name__, plan)  # (not again at a re-plan's rebuild)
+        optimizer._offload_announced = True
     return plan
+
+
+def announce(owner: str, plan: OffloadPlan) -> None:
+    """Rank 0, once per optimizer (see Note: offload is visible): the plan at INFO on the
+    ``shardopt`` logger, except ``"auto"``'s, logged when it is decided (offload_replan.py); and
+    where no logging is configured (no handler on the logger or above it), one line to stderr."""
+    if plan.requested != "auto":
+        logger.info("%s: %s", owner, plan)
+    if not logger.hasHandlers():
+        what = (
+            f"fraction='auto', {plan.fraction:.3f} of this rank's shard on the host until the "
+            f"first {offload_replan.MEASURED_STEPS} steps are timed, then re-planned once"
+            if plan.requested == "auto"
+            else f"{plan.host_params} params on the host, {plan.device_params} on the GPU, "
+            f"{plan.threads} update threads, {plan.device_bytes_saved / 2**20:.1f} MiB of GPU "
+            "memory saved"
+        )
+        print(
+            f"shardopt: {owner}: CPU offload is on ({what}); print(optimizer.offload_plan) for "
+            "details. (Shown because logging is not configured: configure the 'shardopt' logger "
+            "to route or silence this line.)",
+            file=sys.stderr,
+        )
 
 
 def attach(optimizer, settings: CPUOffload | None) -> None:

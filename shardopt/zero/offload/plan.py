@@ -89,6 +89,17 @@ class CPUOffload:
             are at least as many local ranks as nodes with CPUs (else, and on a host with one
             node, nothing is placed); an int: that node; None: no placement (see Note: NUMA
             placement in shardopt/zero/offload/host_numa.py). The values do not depend on it.
+
+    Raises:
+        TypeError, ValueError: at construction, naming a field of a wrong type or out of
+            range; ``threads`` above the CPUs this process may use raises when the optimizer
+            is built (on every rank: the bound depends on the host).
+
+    Example::
+
+        offload = shardopt.CPUOffload(fraction=0.5, overlap_backward="auto")
+        opt = shardopt.DistributedFusedAdam(model.parameters(), lr=1e-3, offload=offload)
+        print(opt.offload_plan)  # what is offloaded, and why
     """
 
     fraction: Fraction = 1.0
@@ -99,6 +110,12 @@ class CPUOffload:
     huge_pages: bool = False
     switch_interval: float | None = 2e-4
     numa_node: int | Literal["auto"] | None = "auto"
+
+    def __post_init__(self) -> None:
+        problem = field_problem(self)
+        if problem is not None:
+            kind, message = problem
+            raise kind(message)
 
 
 @dataclass(frozen=True)
@@ -124,6 +141,59 @@ class OffloadPlan:
     #: placement in host_numa.py)
     numa_node: int | None = None
 
+    def __str__(self) -> str:
+        """One line: what is on the host and the GPU, the threads, the memory saved, why."""
+        node = "" if self.numa_node is None else f" of NUMA node {self.numa_node}"
+        return (
+            f"CPU offload at fraction {self.fraction:.3f} (asked: {self.requested!r}): "
+            f"{self.host_params} params ({self.host_numel} shard elements) updated on the host "
+            f"by {self.threads} threads{node}, {self.device_params} params on the GPU, "
+            f"{self.device_bytes_saved / 2**20:.1f} MiB of GPU memory saved; {self.reason}"
+        )
+
+
+def field_problem(offload: CPUOffload) -> tuple[type[Exception], str] | None:
+    """The first field of ``offload`` of a wrong type or out of range, as (exception type,
+    message naming the field), or None. The bound of ``threads`` that depends on the host (the
+    CPUs this process may use) is ``resolve``'s, when the optimizer is built: there a rank on
+    a smaller host fails every rank, not just itself."""
+    f = offload.fraction
+    if f != "auto":
+        if isinstance(f, bool) or not isinstance(f, int | float):
+            return TypeError, f"CPUOffload.fraction must be a float or 'auto', got {f!r}"
+        if not 0.0 <= float(f) <= 1.0:
+            return ValueError, f"CPUOffload.fraction must be in [0, 1], got {f}"
+    t = offload.threads
+    if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+        return ValueError, (
+            "CPUOffload.threads must be None or an int >= 1 and at most the CPUs this process "
+            f"may use, got {t!r}"
+        )
+    s = offload.staging_slots
+    if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MAX_STAGING_SLOTS:
+        return ValueError, (
+            f"CPUOffload.staging_slots must be an int >= 1 and at most {MAX_STAGING_SLOTS} "
+            f"(more only hold host memory: a bucket chunk each), got {s!r}"
+        )
+    for flag in ("pin_memory", "huge_pages"):
+        value = getattr(offload, flag)
+        if not isinstance(value, bool):
+            return TypeError, f"CPUOffload.{flag} must be a bool, got {value!r}"
+    n = offload.numa_node
+    if n is not None and n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        return ValueError, (
+            f"CPUOffload.numa_node must be 'auto', a node number (an int >= 0) or None, got {n!r}"
+        )
+    si = offload.switch_interval
+    if si is not None and (isinstance(si, bool) or not isinstance(si, int | float) or not si > 0):
+        return ValueError, (
+            f"CPUOffload.switch_interval must be a positive number of seconds or None, got {si!r}"
+        )
+    ob = offload.overlap_backward
+    if not isinstance(ob, bool) and ob != "auto":
+        return ValueError, f"CPUOffload.overlap_backward must be True, False or 'auto', got {ob!r}"
+    return None
+
 
 def resolve(owner: str, offload: object) -> CPUOffload | None:
     """The settings from the ``offload`` keyword; raises naming the problem."""
@@ -140,44 +210,15 @@ def resolve(owner: str, offload: object) -> CPUOffload | None:
             f"{owner}: offload must be None, 'cpu' or a shardopt.CPUOffload, got "
             f"{type(offload).__name__}"
         )
-    f = offload.fraction
-    if f != "auto":
-        if isinstance(f, bool) or not isinstance(f, int | float):
-            raise TypeError(f"{owner}: CPUOffload.fraction must be a float or 'auto', got {f!r}")
-        if not 0.0 <= float(f) <= 1.0:
-            raise ValueError(f"{owner}: CPUOffload.fraction must be in [0, 1], got {f}")
+    problem = field_problem(offload)
+    if problem is not None:  # (fields changed since construction: object.__setattr__)
+        kind, message = problem
+        raise kind(f"{owner}: {message}")
     t, cores = offload.threads, max_threads()
-    if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= cores):
+    if t is not None and t > cores:
         raise ValueError(
             f"{owner}: CPUOffload.threads must be None or an int >= 1 and at most the {cores} "
             f"CPUs this process may use (more only time-slice them), got {t!r}"
-        )
-    s = offload.staging_slots
-    if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MAX_STAGING_SLOTS:
-        raise ValueError(
-            f"{owner}: CPUOffload.staging_slots must be an int >= 1 and at most "
-            f"{MAX_STAGING_SLOTS} (more only hold host memory: a bucket chunk each), got {s!r}"
-        )
-    for flag in ("pin_memory", "huge_pages"):
-        value = getattr(offload, flag)
-        if not isinstance(value, bool):
-            raise TypeError(f"{owner}: CPUOffload.{flag} must be a bool, got {value!r}")
-    n = offload.numa_node
-    if n is not None and n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-        raise ValueError(
-            f"{owner}: CPUOffload.numa_node must be 'auto', a node number (an int >= 0) or "
-            f"None, got {n!r}"
-        )
-    si = offload.switch_interval
-    if si is not None and (isinstance(si, bool) or not isinstance(si, int | float) or not si > 0):
-        raise ValueError(
-            f"{owner}: CPUOffload.switch_interval must be a positive number of seconds or None, "
-            f"got {si!r}"
-        )
-    ob = offload.overlap_backward
-    if not isinstance(ob, bool) and ob != "auto":
-        raise ValueError(
-            f"{owner}: CPUOffload.overlap_backward must be True, False or 'auto', got {ob!r}"
         )
     return offload
 
