@@ -49,6 +49,9 @@ ROOT = "SHARDOPT_TEST_OFFLOAD_AUTO_ROOT"
 HALF = {"cpu_ms": 0.75e-6 / offload_replan.HEADROOM, "copy_ms": 0.25e-6 / offload_replan.HEADROOM,
         "gpu_ms": 1e-6, "free_bytes": 1e12, "forward_ms": 0.0, "backward_ms": 0.0}  # fmt: skip
 STEPS = range(6)
+#: LAMB with a key split against without (see replan_rebuilds_plan_caches): fp32 rounding of a
+#: regrouped sum; bf16 params: one bf16 rounding step where that flips it
+LAMB_SPLIT_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), BF16: dict(rtol=8e-3, atol=1e-5)}
 
 
 class _Records(logging.Handler):
@@ -90,11 +93,11 @@ def _run(name, dtype, offload, rank, *, kw=None, steps=STEPS, clip=None, scaled=
     return opt, history
 
 
-def _check_same(a, b, what):
+def _check_same(a, b, what, tol=None):
     (opt_a, hist_a), (opt_b, hist_b) = a, b
     for step, (x, y) in enumerate(zip(hist_a, hist_b)):
-        _same(x, y, f"{what}: params after step {step}")
-    _same(opt_a.state_dict(), opt_b.state_dict(), f"{what}: state_dict")
+        _same(x, y, f"{what}: params after step {step}", tol)
+    _same(opt_a.state_dict(), opt_b.state_dict(), f"{what}: state_dict", tol)
 
 
 def _by_hand(name, dtype, fraction, rank, kw, clip, scaled=False):
@@ -182,9 +185,9 @@ def replan_is_exact(rank, world):
 def replan_rebuilds_plan_caches(rank, world):
     """Every class with a param that never gets a grad (``Net.unused``) across the re-plan: what
     was derived from the old keys (NovoGrad's used-params masks, the planned calls, state I/O's
-    copies) is not reused by the new ones, so the steps after it are the re-plan by hand's and,
-    where the split changes no bit (LAMB's clipping sums its norm in the key split's order at
-    world 2), no offload's."""
+    copies) is not reused by the new ones, so the steps after it are the re-plan by hand's bit
+    for bit and no offload's: bit for bit too, except LAMB, whose norms sum one partial per key
+    (and fragment) at every world size, so a split regroups the sum (``LAMB_SPLIT_TOL``)."""
     _forced(HALF)
     try:
         for name in CLASSES:
@@ -195,8 +198,11 @@ def replan_rebuilds_plan_caches(rank, world):
                 assert auto[0].update_calls.unused, "Net.unused must get no grad"
                 by_hand = _by_hand(name, dtype, plan.fraction, rank, {}, None)
                 _check_same(auto, by_hand, f"{name} {dtype} auto vs a re-plan by hand")
-                if name != "LAMB" or world == 1:
-                    _check_same(auto, _run(name, dtype, None, rank), f"{name} {dtype} vs none")
+                # LAMB: the clip's sum of squares (and the per-param norms) add one partial per
+                # key (per fragment), so splitting a key regroups the fp32 sum: a few ulps
+                tol = LAMB_SPLIT_TOL[dtype] if name == "LAMB" else None
+                none = _run(name, dtype, None, rank)
+                _check_same(auto, none, f"{name} {dtype} vs none", tol)
     finally:
         os.environ.pop(ENV, None)
 
