@@ -7,6 +7,9 @@ import os
 import torch
 from torch import nn
 
+#: the hyperparameters every HF/Accelerate test trains with (the references use them too)
+LR, WD, MAX_NORM = 1e-2, 0.1, 1.0
+
 
 class TinyNet(nn.Module):
     def __init__(self):
@@ -49,3 +52,26 @@ def set_env(rank: int, world: int, port: int, **extra: str) -> None:
         ACCELERATE_USE_CPU="true",
         **extra,
     )
+
+
+def training_args(out: str, **overrides):
+    """The tests' ``transformers.TrainingArguments``: two samples per device, two accumulation
+    steps, clipping at ``MAX_NORM``, a log line per step, CPU, no workers or tqdm, seed 0;
+    ``overrides`` (the schedule, the length, the save strategy) on top."""
+    import transformers
+
+    kw = dict(
+        output_dir=out,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_grad_norm=MAX_NORM,
+        learning_rate=LR,
+        weight_decay=WD,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return transformers.TrainingArguments(**dict(kw, **overrides))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from dist_harness import run_cases
-from hf_tiny import Data, TinyNet, set_env
+from hf_tiny import LR, MAX_NORM, WD, Data, TinyNet, set_env, training_args
 
 import shardopt
 
@@ -27,7 +27,6 @@ pytest.importorskip(
 )
 pytest.importorskip("safetensors", reason="safetensors not installed (pip install .[integrations])")
 
-LR, WD, MAX_NORM = 1e-2, 0.1, 1.0
 RESUMED = dict(rtol=1e-5, atol=1e-7)  # resumed run against the uninterrupted one
 
 
@@ -99,23 +98,8 @@ def _trainer_run(out, offload, resume_from=None):
 
     _reset_accelerate()
     model = TinyNet()
-    args = transformers.TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_grad_norm=MAX_NORM,
-        max_steps=4,
-        learning_rate=LR,
-        weight_decay=WD,
-        lr_scheduler_type="linear",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="steps",
-        save_steps=2,
-        use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=0,
+    args = training_args(
+        out, max_steps=4, lr_scheduler_type="linear", save_strategy="steps", save_steps=2
     )
     opt = shardopt.DistributedFusedAdam(model.parameters(), lr=LR, weight_decay=WD, offload=offload)
     kw = dict(model=model, args=args, train_dataset=Data(), optimizers=(opt, None))

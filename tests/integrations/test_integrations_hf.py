@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.nn as nn
 from dist_harness import run_cases
-from hf_tiny import Data, TinyNet, set_env
+from hf_tiny import LR, MAX_NORM, WD, Data, TinyNet, set_env, training_args
 
 import shardopt
 
 pytest.importorskip("accelerate", reason="accelerate not installed (pip install .[integrations])")
 
-LR, WD, MAX_NORM = 1e-2, 0.1, 1.0
 REL = 1e-4
 
 
@@ -82,23 +81,7 @@ def _trainer(use_shardopt, out):
 
     _reset_accelerate()
     model = TinyNet()
-    args = transformers.TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_grad_norm=MAX_NORM,
-        num_train_epochs=1,
-        learning_rate=LR,
-        weight_decay=WD,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=0,
-    )
+    args = training_args(out, num_train_epochs=1, lr_scheduler_type="constant", save_strategy="no")
     if use_shardopt:
         opt = shardopt.DistributedFusedAdam(model.parameters(), lr=LR, weight_decay=WD)
         cls = Trainer

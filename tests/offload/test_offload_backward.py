@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_plan import plan_fixture, plan_params
+from test_offload import _same
 from torch import nn
 
 import shardopt
@@ -77,21 +78,6 @@ def _steps(model, opt, rank: int, steps) -> None:
 
 def _result(model, opt) -> tuple:
     return [p.detach().clone() for p in model.parameters()], opt.state_dict()
-
-
-def _same(a, b, what: str) -> None:
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), what
-    elif isinstance(a, dict):
-        assert set(a) == set(b), (what, set(a) ^ set(b))
-        for k in a:
-            _same(a[k], b[k], f"{what}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{what}[{i}]")
-    else:
-        assert a == b, (what, a, b)
 
 
 def _ranks_agree(model, world: int) -> None:
