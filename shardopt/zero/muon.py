@@ -9,7 +9,7 @@ Note: whole matrices on one rank
     are still reduce-scattered per bucket during backward and the params all-gathered per bucket
     after the step, and the step adds no collective: each rank runs the momentum, the Nesterov
     mix, Newton-Schulz (batched by shape over the params it owns), the decay and the apply on
-    its own params, exactly ``FusedMuon``'s update (``_muon_step`` in
+    its own params, exactly ``FusedMuon``'s update (``muon_step`` in
     shardopt/optimizers/muon.py, the same function), on the reduced, averaged grad of the
     optimizer step (``no_sync()`` micro-batches are summed first), scaled by the step's grad
     scale (averaging x inverse loss scale x clip coefficient: clipping acts on the raw grads,
@@ -33,20 +33,15 @@ import torch
 
 from shardopt import kernels
 from shardopt.algorithms import adam, muon
-from shardopt.optimizers.muon import (
-    ADAMW_DEFAULTS,
-    MUON_ONLY,
-    _drop_muon_steps,
-    _muon_step,
-    _shape_batches,
-)
+from shardopt.optimizers.muon import ADAMW_DEFAULTS, MUON_ONLY
+from shardopt.optimizers.muon_step import drop_muon_steps, muon_step, shape_batches
 from shardopt.optimizers.state_dict import COMMON_STATE_KEYS, check_state_keys
 from shardopt.zero import comm, state_storage
 from shardopt.zero.amp import StepScalars
 from shardopt.zero.apex.compat import APEX_DEFAULTS
 from shardopt.zero.engine import DistributedOptimizer
 from shardopt.zero.layout import ElementLayout, Fragment, ShardLayout, WholeParamLayout
-from shardopt.zero.optimizers import _amp_args, _defaults
+from shardopt.zero.optimizers import amp_args, group_defaults
 from shardopt.zero.settings import show_sharding_args
 from shardopt.zero.sharded_params import Key
 
@@ -137,7 +132,7 @@ class DistributedFusedMuon(DistributedOptimizer):
                 ns_algorithm=ns_algorithm,
                 ns_split=ns_split,
             )
-            defaults = {**_defaults(name, hyper, zero_args), "use_muon": True}
+            defaults = {**group_defaults(name, hyper, zero_args), "use_muon": True}
             _refuse_settings(name, zero_args)
             groups = _normalized_groups(params)
             for group in groups:
@@ -147,7 +142,7 @@ class DistributedFusedMuon(DistributedOptimizer):
         comm.raise_if_any(error, zero_args.get("process_group"))
         super().__init__(groups, defaults, **zero_args)
         # torch.optim.Muon's state dict has no step; ours keeps one only for the AdamW groups
-        self.register_state_dict_post_hook(_drop_muon_steps, prepend=True)
+        self.register_state_dict_post_hook(drop_muon_steps, prepend=True)
         self.register_state_dict_post_hook(_dtypes_back, prepend=True)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -232,15 +227,15 @@ class DistributedFusedMuon(DistributedOptimizer):
                 finish.append((buf, frags, bufs[-1], master, outs[-1] is not None))
         if not shaped:
             return
-        batches = _shape_batches(shaped, group["flatten"], group["ns_split"])
+        batches = shape_batches(shaped, group["flatten"], group["ns_split"])
         outs_or_none = outs if any(o is not None for o in outs) else None
-        _muon_step(group, grads, masters, outs_or_none, bufs, batches, group["lr"], False)
+        muon_step(group, grads, masters, outs_or_none, bufs, batches, group["lr"], False)
         for buf, frags, momentum, master, written in finish:
             _write_back(buf, frags, momentum, master, written)
 
     def _adamw_call(self, group: dict, buf, call, scalars: StepScalars) -> None:
         """``DistributedFusedAdam``'s update of one call of an AdamW key."""
-        amp_args = _amp_args(buf, scalars)
+        amp = amp_args(buf, scalars)
         if not state_storage.needs_codec(buf):
             adam.update(
                 group,
@@ -251,7 +246,7 @@ class DistributedFusedMuon(DistributedOptimizer):
                 call.outs(),
                 step=call.step_t(group),
                 lr=group["lr"],
-                **amp_args,
+                **amp,
             )
             return
         masters = call.of(buf.master)
@@ -269,7 +264,7 @@ class DistributedFusedMuon(DistributedOptimizer):
             **adam.kernel_args(
                 group, step=call.step_t(group), lr=group["lr"], device=buf.update_device
             ),
-            **amp_args,
+            **amp,
         )
         outs = call.outs()
         if outs is not None and buf.master_kind == "copy":

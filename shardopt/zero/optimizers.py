@@ -27,7 +27,7 @@ from shardopt.zero.update_calls import sum_by_param
 _TORCH_FLAGS = ("maximize", "foreach", "fused", "differentiable")
 
 
-def _amp_args(buf: Any, scalars: StepScalars) -> dict[str, torch.Tensor | None]:
+def amp_args(buf: Any, scalars: StepScalars) -> dict[str, torch.Tensor | None]:
     """The step's grad scale (averaging x inverse loss scale x clip coefficient) and overflow
     flag where ``buf``'s update runs (on the host for an offloaded key)."""
     return {
@@ -36,7 +36,7 @@ def _amp_args(buf: Any, scalars: StepScalars) -> dict[str, torch.Tensor | None]:
     }
 
 
-def _defaults(owner: str, hyper: Hyperparams, zero_args: dict) -> dict[str, Any]:
+def group_defaults(owner: str, hyper: Hyperparams, zero_args: dict) -> dict[str, Any]:
     """The param-group defaults of ``hyper`` after the single-process classes' checks, in their
     order: torch.optim's common flags (taken out of ``zero_args``, the engine's keyword arguments;
     no ZeRO class implements ``maximize``), then the algorithm's."""
@@ -85,7 +85,7 @@ class DistributedFusedAdam(DistributedOptimizer):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
         )
-        super().__init__(params, _defaults(type(self).__name__, hyper, zero_args), **zero_args)
+        super().__init__(params, group_defaults(type(self).__name__, hyper, zero_args), **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
         for group, buf, call in self._each_call():
@@ -101,7 +101,7 @@ class DistributedFusedAdam(DistributedOptimizer):
                 call.outs(),
                 step=call.step_t(group),
                 lr=group["lr"],
-                **_amp_args(buf, scalars),
+                **amp_args(buf, scalars),
             )
 
     def _update_compact(self, group: dict, buf, call, scalars: StepScalars) -> None:
@@ -123,7 +123,7 @@ class DistributedFusedAdam(DistributedOptimizer):
             **adam.kernel_args(
                 group, step=call.step_t(group), lr=group["lr"], device=buf.update_device
             ),
-            **_amp_args(buf, scalars),
+            **amp_args(buf, scalars),
         )
         outs = call.outs()
         if outs is not None and buf.master_kind == "copy":
@@ -164,7 +164,7 @@ class DistributedFusedSGD(DistributedOptimizer):
             nesterov=nesterov,
             wd_after_momentum=wd_after_momentum,
         )
-        super().__init__(params, _defaults(type(self).__name__, hyper, zero_args), **zero_args)
+        super().__init__(params, group_defaults(type(self).__name__, hyper, zero_args), **zero_args)
         #: per group, 1 once the momentum buffers hold a momentum (a device flag: the first step
         #: may be skipped by a GradScaler, and reading that on the host would sync)
         self._momentum_started = [
@@ -188,7 +188,7 @@ class DistributedFusedSGD(DistributedOptimizer):
                     first_run=False,
                     first_run_t=self._to_update(buf, first),
                     lr=group["lr"],
-                    **_amp_args(buf, scalars),
+                    **amp_args(buf, scalars),
                 )
         for started in self._momentum_started:
             if scalars.found_inf_t is None:
@@ -222,7 +222,7 @@ class DistributedFusedAdagrad(DistributedOptimizer):
         hyper = adagrad.Hyperparams(
             lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode
         )
-        super().__init__(params, _defaults(type(self).__name__, hyper, zero_args), **zero_args)
+        super().__init__(params, group_defaults(type(self).__name__, hyper, zero_args), **zero_args)
 
     def _update(self, scalars: StepScalars) -> None:
         for group, buf, call in self._each_call():
@@ -233,7 +233,7 @@ class DistributedFusedAdagrad(DistributedOptimizer):
                 call.of(buf.state["sum"]),
                 call.outs(),
                 lr=group["lr"],
-                **_amp_args(buf, scalars),
+                **amp_args(buf, scalars),
             )
 
 
@@ -277,7 +277,7 @@ class DistributedFusedLAMB(DistributedOptimizer):
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
         )
-        super().__init__(params, _defaults(type(self).__name__, hyper, zero_args), **zero_args)
+        super().__init__(params, group_defaults(type(self).__name__, hyper, zero_args), **zero_args)
         # the global grad norm is only needed to clip (max_grad_norm=0: no clipping, no norm pass)
         self.needs_grad_norm = lamb.clips(max_grad_norm)
 
@@ -307,7 +307,7 @@ class DistributedFusedLAMB(DistributedOptimizer):
                     step=step_t,
                     grad_norm_sq_t=self._to_update(buf, grad_norm_sq_t),
                     max_grad_norm=max_grad_norm,
-                    **_amp_args(buf, scalars),
+                    **amp_args(buf, scalars),
                     # an offloaded key's CPU sums with the bits of the CUDA kernel's
                     cuda_order=buf.offloaded and self.device.type == "cuda",
                 )
@@ -370,7 +370,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
             norm_type=norm_type,
             init_zero=init_zero,
         )
-        super().__init__(params, _defaults(type(self).__name__, hyper, zero_args), **zero_args)
+        super().__init__(params, group_defaults(type(self).__name__, hyper, zero_args), **zero_args)
         # one entry per trainable param, in the dtype of the math: the masters, which are fp32
         # (also for fp64 params) or the 16-bit params themselves under a 16-bit ``dtype``
         dtype = novograd.second_moment_dtype(key.buffers.master.dtype for key in self.keys)
@@ -439,7 +439,7 @@ class DistributedFusedNovoGrad(DistributedOptimizer):
                     self._to_update(buf, self.second_moment.index_select(0, call.index)),
                     step=call.step_t(group),
                     lr=group["lr"],
-                    **_amp_args(buf, scalars),
+                    **amp_args(buf, scalars),
                 )
 
     def _group_indices(self, group_index: int) -> tuple[list[int], list[int]]:

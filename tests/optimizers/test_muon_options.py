@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICES
-from test_muon import FP32_NS_TOL, STEPS, _grads, _params, _rel, _run
+from test_muon import BF16_NS_TOL, FP32_NS_TOL, STEPS, _grads, _params, _rel, _run
 
 from shardopt import FusedMuon, reference
 from shardopt.algorithms import muon
@@ -228,10 +228,18 @@ def test_a_captured_step_replays_as_eager(ns_algorithm):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize(
     "options", [dict(), dict(ns_algorithm="gram", ns_split=4)], ids=["std", "gram-split"]
 )
-def test_step_compiles_fullgraph(options, device):
+def test_step_compiles_fullgraph(options, ns_dtype, device):
+    """The compiled step has no graph break and computes the eager step's update.
+
+    Bits agree to 1e-6 where the matmuls do: on the CPU, and with fp32 Newton-Schulz. bf16
+    Newton-Schulz on CUDA is held to the bound of two valid bf16 orderings (BF16_NS_TOL of the
+    update's norm, docs/spec.md): cuBLAS may pick another kernel, and so another order of the
+    bf16 sums, for the traced graph's tensors than for the eager views.
+    """
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -239,14 +247,20 @@ def test_step_compiles_fullgraph(options, device):
     shapes = [(8, 16), (16, 8), (8, 16)]
     params = _params(shapes, torch.float32, device)
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opts = [FusedMuon(params, lr=0.02, **options), FusedMuon(twins, lr=0.02, **options)]
+    kw = dict(lr=0.02, ns_dtype=ns_dtype, **options)
+    opts = [FusedMuon(params, **kw), FusedMuon(twins, **kw)]
     compiled = torch.compile(lambda opt: opt.step(), fullgraph=True, backend="aot_eager")
+    ordered = device == "cuda" and ns_dtype == torch.bfloat16
     for _ in range(STEPS):
         grads = _grads(shapes, torch.float32, device)
+        before = [q.detach().clone() for q in twins]
         for p, q, g in zip(params, twins, grads):
             p.grad, q.grad = g.clone(), g.clone()
         compiled(opts[0])
         opts[1].step()
-        for p, q in zip(params, twins):
-            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        for p, q, b in zip(params, twins, before):
+            if ordered:
+                assert _rel(p, q, b) < BF16_NS_TOL
+            else:
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
     assert not counters["graph_break"], dict(counters["graph_break"])
