@@ -2,8 +2,8 @@
 # An A/B of two trees' Python in one device call, on one host: writes ab_old/shardopt, the
 # shardopt package of git revision REV, plus a module that loads the kernels the device call
 # builds for this tree (so the Python of REV runs over this tree's kernels: only for revisions
-# whose csrc/ is this tree's). Run here, before the call (ab_old/ is untracked and travels with
-# the working tree; keep it out of commits, e.g. `echo /ab_old/ >> .git/info/exclude`):
+# whose csrc/ is this tree's less lines this tree added). Run here, before the call (ab_old/ is
+# untracked and travels with the working tree; keep it out of commits, e.g. `echo /ab_old/ >> .git/info/exclude`):
 #
 #   bash launch_scripts/device/ab_tree.sh 1bf6840
 #   # then, as the device command (carry .whl), REV's rows alternated with this tree's:
@@ -11,9 +11,17 @@
 #   OFFLOAD_SETTINGS="$OLD default $OLD default" bash launch_scripts/device/device_offload.sh settings
 set -euo pipefail
 REV=${1:?usage: bash launch_scripts/device/ab_tree.sh REV}
-if ! git diff --quiet "$REV" -- csrc; then
-  echo "csrc/ differs between $REV and the working tree: its kernels would not be $REV's" >&2
+# csrc/ may differ by added lines only (new kernels, their registrations): REV's Python then runs
+# the kernels it knew, unchanged; a deleted or changed line refuses the A/B.
+deleted=$(git diff --numstat "$REV" -- csrc | awk '{s += $2} END {print s + 0}')
+if [ "$deleted" -gt 0 ]; then
+  echo "csrc/ differs between $REV and the working tree by $deleted changed or deleted line(s):" \
+       "its kernels would not be $REV's" >&2
   exit 1
+fi
+if ! git diff --quiet "$REV" -- csrc; then
+  echo "csrc/: this tree adds to $REV's kernels (added lines only):" \
+       "$(git diff --numstat "$REV" -- csrc | awk '{print $3}' | tr '\n' ' ')"
 fi
 rm -rf ab_old && mkdir ab_old
 git archive "$REV" shardopt | tar -x -C ab_old

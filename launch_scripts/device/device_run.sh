@@ -18,6 +18,7 @@
 # the end (the device tool returns at most 8 files).
 # muon: bench_muon.py (FusedMuon against torch.optim.Muon and the peers, Newton-Schulz against the bf16
 # GEMM rate) after installing the wheels carried in .muonwheels/ (name .muonwheels in the carry).
+# launch_scripts/device/carry_wheels.sh makes .muonwheels/, .dswheels/ and .apex/ here in one command.
 #   bash launch_scripts/device/device_run.sh tests parity kernels
 set -uo pipefail
 FINAL=${OUT:-/tmp/shardopt-out}
