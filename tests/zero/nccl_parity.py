@@ -1,8 +1,8 @@
 """The ZeRO parity suite on GPUs: ``torchrun --nproc-per-node 2 tests/zero/nccl_parity.py``.
 
-Runs every case of test_zero_parity.py on CUDA tensors over NCCL (the gloo suite's twin), plus the
-CUDA-only cases below (CUDA-graph capture), and prints one line per case; exits non-zero if any
-case fails.
+Runs every case of test_zero_parity.py and test_muon_zero.py's NCCL_CASES (DistributedFusedMuon)
+on CUDA tensors over NCCL (the gloo suites' twin), plus the CUDA-only cases below (CUDA-graph
+capture), and prints one line per case; exits non-zero if any case fails.
 """
 
 import copy
@@ -18,6 +18,7 @@ from torch import nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
+import test_muon_zero  # noqa: E402
 import test_zero_parity  # noqa: E402
 
 import shardopt  # noqa: E402
@@ -83,7 +84,7 @@ def main() -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
     failed = 0
-    cases = list(test_zero_parity.CASES) + CUDA_CASES
+    cases = list(test_zero_parity.CASES) + list(test_muon_zero.NCCL_CASES) + CUDA_CASES
     for case in cases:
         try:
             case(rank, world)
