@@ -3,10 +3,10 @@
 # shardopt package of git revision REV, plus a module that loads the kernels the device call
 # builds for this tree (so the Python of REV runs over this tree's kernels: only for revisions
 # whose csrc/ is this tree's less lines this tree added). Run here, before the call (ab_old/ is
-# untracked and travels with the working tree; keep it out of commits, e.g. `echo /ab_old/ >> .git/info/exclude`):
+# ignored: name it in the device tool's carry):
 #
 #   bash launch_scripts/device/ab_tree.sh 1bf6840
-#   # then, as the device command (carry .whl), REV's rows alternated with this tree's:
+#   # then, as the device command (carry .whl and ab_old), REV's rows alternated with this tree's:
 #   OLD="PYTHONPATH=$PWD/ab_old:/tmp/site,AB_BUILD_DIR=$PWD/.build"
 #   OFFLOAD_SETTINGS="$OLD default $OLD default" bash launch_scripts/device/device_offload.sh settings
 set -euo pipefail
