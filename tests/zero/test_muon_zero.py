@@ -241,6 +241,34 @@ def bf16_without_nesterov(rank, world):
     assert sd["state"][0]["momentum_buffer"].float().norm() > 0.05 * g.norm()  # not normalised
 
 
+def mixed_dtypes(rank, world):
+    """One Muon group of fp32 and bf16 params, same-shape pairs among them (one Newton-Schulz
+    stack of both dtypes' matrices): FusedMuon with fp32 masters, bit for bit."""
+    shapes = [(8, 12), (8, 12), (16, 16), (16, 16), (13,)]
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+
+    def make():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s).to(_device(), d)) for s, d in zip(shapes, dtypes)]
+
+    def groups(ps):
+        return [{"params": ps[:4]}, {"params": ps[4:], "use_muon": False, **ADAMW}]
+
+    params, ref = make(), make()
+    opt = shardopt.DistributedFusedMuon(groups(params), **MUON, bucket_cap_mb=BUCKETS["medium"])
+    ref_opt = shardopt.FusedMuon(groups(ref), **MUON, master_weights=True)
+    for step in range(3):
+        _backward(opt, params, step, rank, 1)
+        opt.step()
+        opt.zero_grad()
+        for q, a in zip(ref, _avg(world, step, 1, shapes)):
+            q.grad = a.to(q.dtype)
+        ref_opt.step()
+        for i, (p, q) in enumerate(zip(params, ref)):
+            assert p.dtype == q.dtype == dtypes[i]
+            assert torch.equal(p.detach(), q.detach()), f"step {step} param {i} ({p.dtype})"
+
+
 def remainders(rank, world):
     """store_param_remainders=True: bf16 params plus int16 remainders are the fp32 masters of
     FusedMuon(master_weights=True) (the params round half away from zero: within an ulp)."""
@@ -488,6 +516,7 @@ CASES = {
         clip_before_momentum,
         bf16_without_nesterov,
         remainders,
+        mixed_dtypes,
         state_dicts_torch_and_fused,
         collectives_per_step,
         grad_scaler,
