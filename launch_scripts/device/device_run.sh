@@ -16,7 +16,7 @@
 # wheel in $APEX_DIR, default .apex: `python launch_scripts/device/apex_suite.py extract --from APEX_GIT`
 # and `pip download expecttest --no-deps -d .apex/wheels` here, and name .apex in the carry). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
 # the end (the device tool returns at most 8 files).
-# muon: bench_muon.py (FusedMuon against torch.optim.Muon and the peers, Newton-Schulz against the bf16
+# muon: bench_muon.py (MUON_ARGS, MUON_BUDGET, MUON_TAG) (FusedMuon against torch.optim.Muon and the peers, Newton-Schulz against the bf16
 # GEMM rate) after installing the wheels carried in .muonwheels/ (name .muonwheels in the carry).
 # launch_scripts/device/carry_wheels.sh makes .muonwheels/, .dswheels/ and .apex/ here in one command.
 #   bash launch_scripts/device/device_run.sh tests parity kernels
@@ -87,8 +87,12 @@ for s in "$@"; do
     apex) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" tests/zero/apex_script.py \
              > "$OUT/apex_script.log" 2>&1; grep -E "PASS|FAIL|refused" "$OUT/apex_script.log" | tail -8 ;;
     apex_suite) python3 -c "import expecttest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps "$APEX_DIR"/wheels/*.whl
-             timeout 500 python3 launch_scripts/device/apex_suite.py run --apex "$APEX_DIR" > "$OUT/apex_suite.log" 2>&1
-             grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/apex_suite.log" | tail -12 ;;
+             # -v: each test's line as it ends, so a cut run still says where it was
+             timeout "${APEX_TIMEOUT:-500}" python3 launch_scripts/device/apex_suite.py run --apex "$APEX_DIR" \
+               -v --durations=8 > "$OUT/apex_suite.log" 2>&1
+             grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/apex_suite.log" | tail -12
+             grep -cE " (PASSED|FAILED|SKIPPED|ERROR)" "$OUT/apex_suite.log" | sed 's/^/tests ended: /';
+             tail -3 "$OUT/apex_suite.log" ;;
     quality) for f in fp32 bf16 scaled_fp16 int8; do
                # QUALITY_ARGS: more train_gpt.py flags, e.g. "--batch-size 8 --block-size 512"
                timeout "${QUALITY_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/train/train_gpt.py \
@@ -96,13 +100,15 @@ for s in "$@"; do
                  ${QUALITY_ARGS:-} --out-dir "/tmp/quality_$f" --no-progress > "$OUT/quality_$f.log" 2>&1
                echo "$f: $(grep -E "^final:" "$OUT/quality_$f.log" | tail -1)"
              done ;;
-    muon) for w in .muonwheels/*.whl; do  # one at a time: a wheel that fails leaves its peer out
+    muon) [ -d /tmp/muonsite ] || for w in .muonwheels/*.whl; do  # one at a time: a wheel that fails leaves its peer out
                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/muonsite "$w" \
                  >> "$OUT/muon_install.log" 2>&1 || echo "not installed: $w"
              done
-             PYTHONPATH=$PYTHONPATH:/tmp/muonsite timeout 270 python3 launch_scripts/bench/bench_muon.py --budget-s 235 \
-               --out "$OUT/bench_muon.json" --jsonl "$OUT/bench_muon.jsonl" --md "$OUT/bench_muon.md" > "$OUT/bench_muon.log" 2>&1
-             cat "$OUT/bench_muon.md" 2>/dev/null || tail -40 "$OUT/bench_muon.log" ;;
+             # MUON_ARGS: more bench_muon.py flags (--sets, --contenders); MUON_TAG names the run's files
+             m=$OUT/bench_muon${MUON_TAG:-}; b=${MUON_BUDGET:-235}
+             PYTHONPATH=$PYTHONPATH:/tmp/muonsite timeout $((b + 35)) python3 launch_scripts/bench/bench_muon.py --budget-s "$b" \
+               ${MUON_ARGS:-} --out "$m.json" --jsonl "$m.jsonl" --md "$m.md" > "$m.log" 2>&1
+             cat "$m.md" 2>/dev/null || tail -40 "$m.log" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
