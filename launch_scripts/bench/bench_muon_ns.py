@@ -27,9 +27,11 @@ def _rate(flops: float, ms: float) -> float:
     return flops / ms / 1e9  # TFLOP/s
 
 
-def _stacks(shapes: list[tuple[int, int, int]], device: torch.device) -> list[torch.Tensor]:
-    """Random bf16 stacks, one per shape; never zeros (zeros run faster than data)."""
-    return [torch.randn(c, r, k, device=device, dtype=torch.bfloat16) for c, r, k in shapes]
+def _stacks(
+    shapes: list[tuple[int, int, int]], device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> list[torch.Tensor]:
+    """Random stacks (bf16 unless told), one per shape; never zeros (zeros run faster)."""
+    return [torch.randn(c, r, k, device=device, dtype=dtype) for c, r, k in shapes]
 
 
 def gemm_square(n: int, device: torch.device, timing: dict[str, Any]) -> dict[str, Any]:
@@ -105,6 +107,13 @@ def measure_ns(
         variants.append(
             ("shardopt_gram_batched", lambda st: lambda: [gram(x, coefficients, EPS) for x in st])
         )
+        # Gram in fp16, the precision it keeps the spec's accuracy in (docs/spec.md)
+        variants.append(
+            (
+                "shardopt_gram_fp16_batched",
+                lambda st: lambda: [gram(x, coefficients, EPS) for x in st],
+            )
+        )
     torch_ns = getattr(getattr(torch.optim, "_muon", None), "_zeropower_via_newtonschulz", None)
     if torch_ns is not None:
         variants.append(
@@ -125,7 +134,8 @@ def measure_ns(
         try:
             # newton_schulz normalises its input in place: later calls see a matrix of norm 1,
             # the same work on the same values
-            stacks = _stacks(shapes, device)
+            dtype = torch.float16 if "fp16" in what else torch.bfloat16
+            stacks = _stacks(shapes, device, dtype)
             ms = median(time_fn(build(stacks), device, **timing))
             row.update(ms=ms, tflops=_rate(flops, ms))
             if what == "gemm_same_shapes":

@@ -9,6 +9,7 @@ STEP_TARGETS = (
     ("gpt124m", "fused", 0.4),
     ("gpt1.3b", "fused", 0.9),
     ("gpt1.3b", "fused_gram", 0.7),
+    ("gpt1.3b", "fused_gram16", 0.7),
 )
 #: Newton-Schulz over the bf16 GEMM rate measured in the same run
 NS_TARGET = 0.8
