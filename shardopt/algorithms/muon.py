@@ -282,6 +282,20 @@ def lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
+def _gram(x: torch.Tensor, tall: bool) -> torch.Tensor:
+    """``X Xᵀ`` of the wide orientation: ``Xᵀ X`` of a tall stack, in its own layout."""
+    return torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
+
+
+def _left(m: torch.Tensor, x: torch.Tensor, tall: bool, beta: float = 0.0) -> torch.Tensor:
+    """``beta X + M X`` of the wide orientation; for a tall stack the same products written
+    in its own layout, ``beta X + X Mᵀ``: each entry the same products as torch's transposed
+    form, and no transposed copy of the stack (neither into the chain nor out of it)."""
+    if tall:
+        return torch.bmm(x, m.mT) if beta == 0.0 else torch.baddbmm(x, x, m.mT, beta=beta)
+    return torch.bmm(m, x) if beta == 0.0 else torch.baddbmm(x, m, x, beta=beta)
+
+
 def newton_schulz(
     x: torch.Tensor,
     coefficients: Sequence[tuple[float, float, float]],
@@ -290,19 +304,19 @@ def newton_schulz(
     """torch.optim.Muon's orthogonalization of each matrix of the stack ``x`` (k, rows, cols),
     in ``x``'s dtype, one ``bmm`` chain for the whole stack; ``x`` is overwritten.
 
-    As torch: a tall matrix is transposed first; each matrix is divided by its Frobenius norm
-    clamped below at ``eps``; then per step ``A = X Xᵀ``, ``B = b A + c A²``, ``X = a X + B X``.
+    As torch: each matrix is divided by its Frobenius norm clamped below at ``eps``; then per
+    step ``A = X Xᵀ``, ``B = b A + c A²``, ``X = a X + B X``, on the wide orientation (torch
+    transposes a tall matrix first; here a tall stack runs ``A = Xᵀ X``, ``X = a X + X Bᵀ`` in
+    its own layout: the same products, and the result is contiguous in ``x``'s layout).
     """
     tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     x.div_(norm.clamp_(min=eps))
     for a, b, c in coefficients:
-        gram = torch.bmm(x, x.mT)
+        gram = _gram(x, tall)
         update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, update, x, beta=a)
-    return x.mT if tall else x
+        x = _left(update, x, tall, beta=a)
+    return x
 
 
 def gram_newton_schulz(
@@ -312,7 +326,8 @@ def gram_newton_schulz(
     restarts: Sequence[int] = GRAM_RESTARTS,
 ) -> torch.Tensor:
     """``newton_schulz``'s result computed on the Gram matrix (Zhang, Amsel, Chen, Dao:
-    Dao-AILab/gram-newton-schulz): for each n x m matrix (n < m, transposed if tall) with
+    Dao-AILab/gram-newton-schulz): for each n x m matrix (n < m; a tall stack runs the
+    transposed products in its own layout, as ``newton_schulz``) with
     ``R = X Xᵀ``, a step ``X ← P X`` with ``P = a I + b R + c R²`` is ``R ← P R P``,
     ``Q ← P Q`` on n x n matrices only; X is rebuilt as ``Q X`` before each step of
     ``restarts`` (R recomputed from it, which bounds the drift of R in low precision) and at
@@ -324,27 +339,25 @@ def gram_newton_schulz(
     if x.size(-2) == x.size(-1):
         return newton_schulz(x, coefficients, eps)
     tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     x.div_(norm.clamp_(min=eps))
-    n = x.size(-2)
+    n = min(x.size(-2), x.size(-1))
     eye = torch.eye(n, dtype=x.dtype, device=x.device)
     steps = len(coefficients)
-    gram = torch.bmm(x, x.mT)
+    gram = _gram(x, tall)
     q = None
     for i, (a, b, c) in enumerate(coefficients):
         if i in restarts and q is not None:
-            x = torch.bmm(q, x)
-            gram = torch.bmm(x, x.mT)
+            x = _left(q, x, tall)
+            gram = _gram(x, tall)
             q = None
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c).add_(eye, alpha=a)
         q = poly if q is None else torch.bmm(poly, q)
         if i + 1 < steps and i + 1 not in restarts:
             gram = torch.bmm(poly, torch.bmm(gram, poly))
     if q is not None:
-        x = torch.bmm(q, x)
-    return x.mT if tall else x
+        x = _left(q, x, tall)
+    return x
 
 
 def orthogonalize(x: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
