@@ -123,6 +123,18 @@ def test_gram_newton_schulz_matches_reference(options, device):
     _vs_reference(device, dict(ns_algorithm="gram", **options), GRAM_SHAPES)
 
 
+@pytest.mark.parametrize("fn", ["newton_schulz", "gram_newton_schulz"])
+def test_tall_stacks_run_in_their_own_layout(fn):
+    """A tall stack's result is the wide transpose's, transposed (fp64: to 1e-12), and comes
+    back contiguous in the stack's layout (no transposed copy for the apply kernel)."""
+    wide = torch.randn(3, 12, 40, dtype=torch.float64)
+    triples = [muon.DEFAULT_NS_COEFFICIENTS] * 5
+    want = getattr(muon, fn)(wide.clone(), triples, 1e-7)
+    got = getattr(muon, fn)(wide.mT.contiguous(), triples, 1e-7)
+    assert got.is_contiguous() and got.shape == (3, 40, 12)
+    torch.testing.assert_close(got, want.mT, rtol=1e-12, atol=1e-12)
+
+
 def test_gram_is_the_standard_iteration_in_fp64():
     x = torch.randn(4, 12, 50, dtype=torch.float64)
     triples = muon.coefficient_triples("polar_express", 5)
@@ -162,7 +174,10 @@ def test_gram_precision_in_bf16_and_fp16(shape, kind, device):
         got = fn(x.to(device, dtype), triples, 1e-7).double().cpu()
         return ((got - want).norm() / want.norm()).item()
 
-    std16, gram16 = err(muon.newton_schulz, torch.bfloat16), err(muon.gram_newton_schulz, torch.bfloat16)
+    std16, gram16 = (
+        err(muon.newton_schulz, torch.bfloat16),
+        err(muon.gram_newton_schulz, torch.bfloat16),
+    )
     gram_fp16 = err(muon.gram_newton_schulz, torch.float16)
     assert 1.2 * std16 < gram16 < 2.5 * std16  # bf16 Gram: a coarser rounding of the same map
     assert gram_fp16 < 0.5 * std16  # fp16 Gram: closer to the exact map than torch's bf16
