@@ -163,8 +163,9 @@ def _spectrum(kind: str, rows: int, cols: int, gen: torch.Generator) -> torch.Te
 @pytest.mark.parametrize("shape", [(96, 384), (384, 96)], ids=["wide", "tall"])
 def test_gram_precision_in_bf16_and_fp16(shape, kind, device):
     """Gram Newton-Schulz's distance from the exact map (fp64 standard iteration) against the
-    standard iteration's: in bf16 about twice it (within GRAM_BF16_NS_TOL on Gaussian
-    matrices); in fp16, where Gram keeps the spec's accuracy, below torch's bf16 standard one.
+    standard iteration's: in bf16 up to about twice it (CPU; about 1.05x on CUDA, whose bf16
+    GEMMs add the beta term in fp32), within GRAM_BF16_NS_TOL on Gaussian matrices; in fp16,
+    where Gram keeps the spec's accuracy, under half of torch's bf16 standard one.
     The numbers behind these bounds are in docs/spec.md (Gram Newton-Schulz)."""
     x = _spectrum(kind, *shape, torch.Generator().manual_seed(0))
     triples = [muon.DEFAULT_NS_COEFFICIENTS] * 5
@@ -179,7 +180,7 @@ def test_gram_precision_in_bf16_and_fp16(shape, kind, device):
         err(muon.gram_newton_schulz, torch.bfloat16),
     )
     gram_fp16 = err(muon.gram_newton_schulz, torch.float16)
-    assert 1.2 * std16 < gram16 < 2.5 * std16  # bf16 Gram: a coarser rounding of the same map
+    assert gram16 < 2.5 * std16  # bf16 Gram: a coarser rounding of the same map, at most
     assert gram_fp16 < 0.5 * std16  # fp16 Gram: closer to the exact map than torch's bf16
     if kind == "gauss":
         assert std16 < BF16_NS_TOL and gram16 < GRAM_BF16_NS_TOL and gram_fp16 < 0.1 * BF16_NS_TOL
