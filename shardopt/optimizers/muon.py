@@ -72,7 +72,8 @@ class FusedMuon(FusedOptimizer):
         ns_dtype: dtype of the Newton-Schulz matmuls (bf16 as torch, or fp32, fp16, fp64).
         flatten: a param of 3+ dims is one ``(shape[0], rest)`` matrix instead of a stack.
         ns_algorithm: "standard" (torch's) or "gram" (Gram Newton-Schulz: fewer FLOPs on wide
-            or tall matrices; square ones run the standard iteration).
+            or tall matrices; square ones run the standard iteration). Use it with
+            ``ns_dtype=torch.float16``: in bf16 it is a coarser rounding (docs/spec.md).
         ns_split: orthogonalize row blocks of each matrix separately, each with its own shape
             scale: an int (blocks of that many rows: per head of a fused QKV) or row sizes
             summing to the rows (q, k, v; gate, up). Usually set per param group.
