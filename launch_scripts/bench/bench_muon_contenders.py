@@ -112,7 +112,7 @@ def fused_gram(shardopt: Any, muon_params: list, adamw_params: list) -> tuple[St
 
 def fused_gram16(shardopt: Any, muon_params: list, adamw_params: list) -> tuple[Step, list]:
     """FusedMuon with Gram Newton-Schulz in fp16 (``ns_dtype=torch.float16``): the precision in
-    which Gram keeps the spec's accuracy (in bf16 its error is about twice torch's; spec.md)."""
+    which Gram keeps the spec's accuracy (in bf16 its error is up to twice torch's; spec.md)."""
     option = gram_option()
     if option is None:
         raise Unavailable("this shardopt's FusedMuon has no Gram Newton-Schulz option")

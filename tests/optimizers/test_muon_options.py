@@ -163,8 +163,8 @@ def _spectrum(kind: str, rows: int, cols: int, gen: torch.Generator) -> torch.Te
 @pytest.mark.parametrize("shape", [(96, 384), (384, 96)], ids=["wide", "tall"])
 def test_gram_precision_in_bf16_and_fp16(shape, kind, device):
     """Gram Newton-Schulz's distance from the exact map (fp64 standard iteration) against the
-    standard iteration's: in bf16 up to about twice it (CPU; about 1.05x on CUDA, whose bf16
-    GEMMs add the beta term in fp32), within GRAM_BF16_NS_TOL on Gaussian matrices; in fp16,
+    standard iteration's: in bf16 up to about twice it (CPU; about 1.05x on an H100), within
+    GRAM_BF16_NS_TOL on Gaussian matrices; in fp16,
     where Gram keeps the spec's accuracy, under half of torch's bf16 standard one.
     The numbers behind these bounds are in docs/spec.md (Gram Newton-Schulz)."""
     x = _spectrum(kind, *shape, torch.Generator().manual_seed(0))
