@@ -102,22 +102,21 @@ def fused(shardopt: Any, muon_params: list, adamw_params: list) -> tuple[Step, l
     return _fused({})(shardopt, muon_params, adamw_params)
 
 
-def fused_gram(shardopt: Any, muon_params: list, adamw_params: list) -> tuple[Step, list]:
-    """FusedMuon with Gram Newton-Schulz, where this shardopt has the option."""
-    option = gram_option()
-    if option is None:
-        raise Unavailable("this shardopt's FusedMuon has no Gram Newton-Schulz option")
-    return _fused({option[0]: option[1]})(shardopt, muon_params, adamw_params)
+def _fused_gram(ns_dtype: torch.dtype | None) -> Builder:
+    """FusedMuon with Gram Newton-Schulz, where this shardopt has the option; in ``ns_dtype``
+    (None: the class's default, bf16). fp16 is the precision in which Gram keeps the spec's
+    accuracy (in bf16 its error is up to twice torch's; spec.md)."""
 
+    def build(shardopt: Any, muon_params: list, adamw_params: list) -> tuple[Step, list]:
+        option = gram_option()
+        if option is None:
+            raise Unavailable("this shardopt's FusedMuon has no Gram Newton-Schulz option")
+        extra = {option[0]: option[1]}
+        if ns_dtype is not None:
+            extra["ns_dtype"] = ns_dtype
+        return _fused(extra)(shardopt, muon_params, adamw_params)
 
-def fused_gram16(shardopt: Any, muon_params: list, adamw_params: list) -> tuple[Step, list]:
-    """FusedMuon with Gram Newton-Schulz in fp16 (``ns_dtype=torch.float16``): the precision in
-    which Gram keeps the spec's accuracy (in bf16 its error is up to twice torch's; spec.md)."""
-    option = gram_option()
-    if option is None:
-        raise Unavailable("this shardopt's FusedMuon has no Gram Newton-Schulz option")
-    extra = {option[0]: option[1], "ns_dtype": torch.float16}
-    return _fused(extra)(shardopt, muon_params, adamw_params)
+    return build
 
 
 def torch_muon(shardopt: Any, muon_params: list, adamw_params: list) -> tuple[Step, list]:
@@ -178,8 +177,8 @@ def grads_lost(params: tuple[list, list]) -> str | None:
 IN_PROCESS: dict[str, Builder] = {
     "torch": torch_muon,
     "fused": fused,
-    "fused_gram": fused_gram,
-    "fused_gram16": fused_gram16,
+    "fused_gram": _fused_gram(None),
+    "fused_gram16": _fused_gram(torch.float16),
     "emerging": _emerging(use_syrk=False),
     "emerging_syrk": _emerging(use_syrk=True),
     "heavyball_eager": heavyball_eager,

@@ -21,6 +21,8 @@ from bench_muon_sets import ns_flops
 NS_STEPS = 5
 EPS = 1e-7
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+#: the dtype of a variant's stacks where it is not bf16 (torch's)
+VARIANT_DTYPES = {"shardopt_gram_fp16_batched": torch.float16}
 
 
 def _rate(flops: float, ms: float) -> float:
@@ -107,13 +109,9 @@ def measure_ns(
         variants.append(
             ("shardopt_gram_batched", lambda st: lambda: [gram(x, coefficients, EPS) for x in st])
         )
-        # Gram in fp16, the precision it keeps the spec's accuracy in (docs/spec.md)
-        variants.append(
-            (
-                "shardopt_gram_fp16_batched",
-                lambda st: lambda: [gram(x, coefficients, EPS) for x in st],
-            )
-        )
+        # Gram in fp16, the precision it keeps the spec's accuracy in (docs/spec.md); its
+        # stacks are made in fp16 below
+        variants.append(("shardopt_gram_fp16_batched", variants[-1][1]))
     torch_ns = getattr(getattr(torch.optim, "_muon", None), "_zeropower_via_newtonschulz", None)
     if torch_ns is not None:
         variants.append(
@@ -134,8 +132,7 @@ def measure_ns(
         try:
             # newton_schulz normalises its input in place: later calls see a matrix of norm 1,
             # the same work on the same values
-            dtype = torch.float16 if "fp16" in what else torch.bfloat16
-            stacks = _stacks(shapes, device, dtype)
+            stacks = _stacks(shapes, device, VARIANT_DTYPES.get(what, torch.bfloat16))
             ms = median(time_fn(build(stacks), device, **timing))
             row.update(ms=ms, tflops=_rate(flops, ms))
             if what == "gemm_same_shapes":
