@@ -119,6 +119,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cuda.def(#name, &name##_cuda, doc, ReleaseGil(), __VA_ARGS__);
 #include "kernels.def"
 #undef SHARDOPT_KERNEL
+  cuda.def("bmm_add", &bmm_add_cuda,
+           "alpha * a @ b + beta * c for 3-D CUDA tensors into a new tensor: one cuBLASLt "
+           "matmul for bf16/fp16 (C read, D written, no copy of C), torch.baddbmm otherwise",
+           ReleaseGil(), "a"_a, "b"_a, "c"_a, "alpha"_a = 1.0, "beta"_a = 1.0);
   m.attr("has_cuda") = true;
   m.attr("cuda_chunk_size") = cuda::kChunkSize;
 #else

@@ -58,6 +58,10 @@ using TensorPair = std::tuple<at::Tensor, at::Tensor>;
 #define SHARDOPT_KERNEL(name, ret, params, ...) ret name##_cuda params;
 #include "kernels.def"
 #undef SHARDOPT_KERNEL
+// Not a multi-tensor kernel (no spec, CUDA only): D = alpha * a @ b + beta * c, batched, with D
+// a new tensor (csrc/linalg/bmm_add_cuda.cu; Python: shardopt.kernels.matmul)
+at::Tensor bmm_add_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                        double alpha, double beta);
 #endif
 
 }  // namespace shardopt

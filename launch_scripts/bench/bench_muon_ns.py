@@ -85,6 +85,23 @@ def _shardopt_ns(muon_alg: Any, name: str) -> Callable | None:
     return fn if params[:3] == ["x", "coefficients", "eps"] else None
 
 
+def _with_baddbmm(kernels: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with ``kernels.bmm_add`` replaced by ``torch.baddbmm`` (the tree before it)."""
+
+    def baddbmm(a, b, c, *, alpha=1.0, beta=1.0):
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+
+    def run() -> Any:
+        saved = kernels.bmm_add
+        kernels.bmm_add = baddbmm
+        try:
+            return fn()
+        finally:
+            kernels.bmm_add = saved
+
+    return run
+
+
 def measure_ns(
     set_name: str,
     shapes: list[tuple[int, int, int]],
@@ -104,6 +121,18 @@ def measure_ns(
             lambda st: lambda: [muon_alg.newton_schulz(x, coefficients, EPS) for x in st],
         ),
     ]
+    kernels = getattr(muon_alg, "kernels", None)
+    if hasattr(kernels, "bmm_add"):
+        # the same iteration with torch.baddbmm as its sum (the copy of X bmm_add skips), so
+        # the gain of bmm_add is measured in the same run
+        variants.append(
+            (
+                "shardopt_batched_baddbmm",
+                lambda st: _with_baddbmm(
+                    kernels, lambda: [muon_alg.newton_schulz(x, coefficients, EPS) for x in st]
+                ),
+            )
+        )
     gram = _shardopt_ns(muon_alg, "gram_newton_schulz")
     if gram is not None:
         variants.append(

@@ -290,10 +290,11 @@ def _gram(x: torch.Tensor, tall: bool) -> torch.Tensor:
 def _left(m: torch.Tensor, x: torch.Tensor, tall: bool, beta: float = 0.0) -> torch.Tensor:
     """``beta X + M X`` of the wide orientation; for a tall stack the same products written
     in its own layout, ``beta X + X Mᵀ``: each entry the same products as torch's transposed
-    form, and no transposed copy of the stack (neither into the chain nor out of it)."""
+    form, and no transposed copy of the stack (neither into the chain nor out of it). The sum
+    is ``kernels.bmm_add`` (baddbmm without its copy of X on CUDA)."""
     if tall:
-        return torch.bmm(x, m.mT) if beta == 0.0 else torch.baddbmm(x, x, m.mT, beta=beta)
-    return torch.bmm(m, x) if beta == 0.0 else torch.baddbmm(x, m, x, beta=beta)
+        return torch.bmm(x, m.mT) if beta == 0.0 else kernels.bmm_add(x, m.mT, x, beta=beta)
+    return torch.bmm(m, x) if beta == 0.0 else kernels.bmm_add(m, x, x, beta=beta)
 
 
 def newton_schulz(
@@ -314,7 +315,7 @@ def newton_schulz(
     x.div_(norm.clamp_(min=eps))
     for a, b, c in coefficients:
         gram = _gram(x, tall)
-        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        update = kernels.bmm_add(gram, gram, gram, alpha=c, beta=b)
         x = _left(update, x, tall, beta=a)
     return x
 
@@ -351,7 +352,7 @@ def gram_newton_schulz(
             x = _left(q, x, tall)
             gram = _gram(x, tall)
             q = None
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c).add_(eye, alpha=a)
+        poly = kernels.bmm_add(gram, gram, gram, alpha=c, beta=b).add_(eye, alpha=a)
         q = poly if q is None else torch.bmm(poly, q)
         if i + 1 < steps and i + 1 not in restarts:
             gram = torch.bmm(poly, torch.bmm(gram, poly))

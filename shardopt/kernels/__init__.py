@@ -13,6 +13,8 @@ here imports shardopt.optimizers or shardopt.zero):
 - ``ops``: the Python wrapper of every kernel; ``custom_ops``: the ``torch.library`` op of every
   kernel (registered at the first torch.compile trace).
 - ``compact``: the compact-state Adam entry (``adam_compact``).
+- ``matmul``: ``bmm_add``, baddbmm without its copy of the addend on CUDA (Newton-Schulz's
+  products; not a multi-tensor kernel, so no spec).
 
 The names below are the layer's interface to the optimizers (docs/kernels.md). ``adam_compact``
 here is the compact-state entry (it checks the lists against their ``state_format`` and runs the
@@ -31,6 +33,7 @@ from shardopt.kernels.loader import (
     describe,
     extension,
 )
+from shardopt.kernels.matmul import bmm_add
 from shardopt.kernels.ops import (
     adagrad,
     adam,
@@ -50,6 +53,7 @@ __all__ = [
     "adam",
     "adam_compact",
     "as_is_kwargs",
+    "bmm_add",
     "backend",
     "check_param_devices",
     "chunk_size",

@@ -72,9 +72,13 @@ CPU_SOURCES = (
     + [f"optim/{name}_cpu.cpp" for name in OPTIMIZERS]
     + [f"norm/{name}_cpu.cpp" for name in NORM_KERNELS]
 )
-CUDA_SOURCES = [f"optim/{name}_cuda.cu" for name in OPTIMIZERS] + [
-    f"norm/{name}_cuda.cu" for name in NORM_KERNELS
-]
+# Batched matmul with an addend read in place (Newton-Schulz's products): CUDA only, no spec
+LINALG_CUDA_SOURCES = ["linalg/bmm_add_cuda.cu"]
+CUDA_SOURCES = (
+    [f"optim/{name}_cuda.cu" for name in OPTIMIZERS]
+    + [f"norm/{name}_cuda.cu" for name in NORM_KERNELS]
+    + LINALG_CUDA_SOURCES
+)
 # nccl_ub=True's own allocator (ncclMemAlloc behind torch's pluggable allocator): built with the
 # CUDA kernels when nccl.h is found (see nccl_include_dir)
 NCCL_SOURCES = ["dist/nccl_allocator.cpp"]
