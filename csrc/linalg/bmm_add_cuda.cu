@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 
 #include "../kernels.h"
@@ -155,6 +156,14 @@ void batched_layout(const LtApi& api, cublasLtMatrixLayout_t& desc, cudaDataType
                                    sizeof(stride)));
 }
 
+// "(d0, d1, ...)": a shape for an error message, as plain text (streaming IntArrayRef into
+// TORCH_CHECK from this nvcc-built file crashed the process on torch 2.11: seen on an H100)
+std::string shape(const at::Tensor& x) {
+  std::string out = "(";
+  for (int64_t i = 0; i < x.dim(); ++i) out += (i ? ", " : "") + std::to_string(x.size(i));
+  return out + ")";
+}
+
 constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLAS's recommendation for Hopper
 
 }  // namespace
@@ -162,13 +171,12 @@ constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLAS's recommendation for Ho
 at::Tensor bmm_add_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                         double alpha, double beta) {
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && c.dim() == 3,
-              "bmm_add: a, b and c must be 3-D (batch, rows, cols), got ", a.sizes(), ", ",
-              b.sizes(), ", ", c.sizes());
+              "bmm_add: a, b and c must be 3-D (batch, rows, cols), got shapes ", shape(a), ", ",
+              shape(b), ", ", shape(c));
   const int64_t batch = c.size(0), p = a.size(1), q = a.size(2), r = b.size(2);
   TORCH_CHECK(a.size(0) == batch && b.size(0) == batch && b.size(1) == q && c.size(1) == p &&
                   c.size(2) == r,
-              "bmm_add: shapes do not chain: a ", a.sizes(), " @ b ", b.sizes(), " + c ",
-              c.sizes());
+              "bmm_add: shapes do not chain: a ", shape(a), " @ b ", shape(b), " + c ", shape(c));
   TORCH_CHECK(a.is_cuda() && b.device() == a.device() && c.device() == a.device(),
               "bmm_add: a, b and c must be on one CUDA device");
   TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == c.scalar_type(),
