@@ -72,7 +72,7 @@ CPU_SOURCES = (
     + [f"optim/{name}_cpu.cpp" for name in OPTIMIZERS]
     + [f"norm/{name}_cpu.cpp" for name in NORM_KERNELS]
 )
-# Batched matmul with an addend read in place (Newton-Schulz's products): CUDA only, no spec
+# Batched matmul whose addend is read, not copied (Newton-Schulz's products): CUDA only, no spec
 LINALG_CUDA_SOURCES = ["linalg/bmm_add_cuda.cu"]
 CUDA_SOURCES = (
     [f"optim/{name}_cuda.cu" for name in OPTIMIZERS]

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CUDA_MARKS
 
 from shardopt import kernels
 
-CUDA = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+CUDA_MARK, CUDA_SKIP = CUDA_MARKS
 
 # (batch, p, q, r): odd sizes, one matrix, Newton-Schulz's square and wide products
 SHAPES = [(3, 24, 40, 32), (1, 7, 13, 5), (4, 64, 64, 64), (2, 48, 160, 48)]
@@ -50,8 +48,8 @@ def test_cpu_is_baddbmm_bit_for_bit(dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("alpha,beta", [(1.0, 3.4445), (2.0315, -4.775), (1.0, 0.0)])
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@CUDA_MARK
+@CUDA_SKIP
 def test_cuda_matches_baddbmm_and_fp64(dtype, shape, view, alpha, beta):
     a, b, c = _stacks(shape, view, dtype, "cuda")
     before = c.clone()
@@ -61,15 +59,16 @@ def test_cuda_matches_baddbmm_and_fp64(dtype, shape, view, alpha, beta):
     assert out.shape == c.shape and out.dtype == dtype and out.is_contiguous()
     assert out.data_ptr() != c.data_ptr()
     assert torch.equal(c, before)
-    # one rounding of an fp32-accumulated product: within a rounding of torch's own error
+    # one rounding of an fp32-accumulated product, as torch's: about torch's own error (the two
+    # round the same fp32 sums up to the order of accumulation), and under a unit of the dtype
     unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
-    assert _relative(out, ref) <= _relative(torch_out, ref) + unit
+    assert _relative(out, ref) <= 1.5 * _relative(torch_out, ref)
     assert _relative(out, ref) <= unit
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@CUDA_MARK
+@CUDA_SKIP
 def test_cuda_runs_no_copy_of_c(dtype):
     """torch's baddbmm launches a copy of c before its GEMM; bmm_add launches the GEMM only."""
     a, b, c = _stacks((8, 256, 512, 256), VIEWS[0], dtype, "cuda")
@@ -91,8 +90,8 @@ def test_cuda_runs_no_copy_of_c(dtype):
     assert ours and not copies(ours), ours
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@CUDA_MARK
+@CUDA_SKIP
 def test_cuda_fp64_and_bad_shapes():
     a, b, c = _stacks(SHAPES[0], VIEWS[0], torch.float64, "cuda")
     assert torch.equal(kernels.bmm_add(a, b, c, beta=0.5), torch.baddbmm(c, a, b, beta=0.5))
