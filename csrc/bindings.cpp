@@ -123,6 +123,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "alpha * a @ b + beta * c for 3-D CUDA tensors into a new tensor: one cuBLASLt "
            "matmul for bf16/fp16 (C read, D written, no copy of C), torch.baddbmm otherwise",
            ReleaseGil(), "a"_a, "b"_a, "c"_a, "alpha"_a = 1.0, "beta"_a = 1.0);
+  cuda.def("symmetric_bmm_add", &symmetric_bmm_add_cuda,
+           "bmm_add for a square product known to be symmetric: the lower block rows of "
+           "blocks bands as cuBLASLt matmuls, then mirrored; c may be None",
+           ReleaseGil(), "a"_a, "b"_a, "c"_a, "alpha"_a = 1.0, "beta"_a = 1.0, "blocks"_a = 1);
   m.attr("has_cuda") = true;
   m.attr("cuda_chunk_size") = cuda::kChunkSize;
 #else

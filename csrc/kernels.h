@@ -62,6 +62,11 @@ using TensorPair = std::tuple<at::Tensor, at::Tensor>;
 // a new tensor (csrc/linalg/bmm_add_cuda.cu; Python: shardopt.kernels.matmul)
 at::Tensor bmm_add_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                         double alpha, double beta);
+// the same for a product known to be symmetric (n x n): its lower block rows in `blocks` bands,
+// then mirrored; c optional (Note: symmetric products in csrc/linalg/bmm_add_cuda.cu)
+at::Tensor symmetric_bmm_add_cuda(const at::Tensor& a, const at::Tensor& b,
+                                  const c10::optional<at::Tensor>& c, double alpha, double beta,
+                                  int64_t blocks);
 #endif
 
 }  // namespace shardopt

@@ -23,6 +23,8 @@ EPS = 1e-7
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 #: the dtype of a variant's stacks where it is not bf16 (torch's)
 VARIANT_DTYPES = {"shardopt_gram_fp16_batched": torch.float16}
+#: ``symmetric_bmm_add``'s fewest band rows timed beside the default (0: whole products)
+SWEPT_BAND_ROWS = (0, 1024, 256)
 
 
 def _rate(flops: float, ms: float) -> float:
@@ -86,18 +88,40 @@ def _shardopt_ns(muon_alg: Any, name: str) -> Callable | None:
 
 
 def _with_baddbmm(kernels: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` run with ``kernels.bmm_add`` replaced by ``torch.baddbmm`` (the tree before it)."""
+    """``fn`` run with ``kernels.bmm_add`` and ``kernels.symmetric_bmm_add`` replaced by
+    ``torch.baddbmm`` / ``torch.bmm`` of the whole product (the tree before either)."""
 
-    def baddbmm(a, b, c, *, alpha=1.0, beta=1.0):
+    def baddbmm(a, b, c=None, *, alpha=1.0, beta=1.0):
+        if c is None:
+            return torch.bmm(a, b).mul_(alpha) if alpha != 1.0 else torch.bmm(a, b)
         return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
 
+    names = [n for n in ("bmm_add", "symmetric_bmm_add") if hasattr(kernels, n)]
+
     def run() -> Any:
-        saved = kernels.bmm_add
-        kernels.bmm_add = baddbmm
+        saved = {n: getattr(kernels, n) for n in names}
+        for n in names:
+            setattr(kernels, n, baddbmm)
         try:
             return fn()
         finally:
-            kernels.bmm_add = saved
+            for n, f in saved.items():
+                setattr(kernels, n, f)
+
+    return run
+
+
+def _with_band_rows(matmul: Any, rows: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with ``symmetric_bmm_add``'s fewest band rows set to ``rows`` (0: every
+    symmetric product whole, the tree before it)."""
+
+    def run() -> Any:
+        saved = matmul.SYMMETRIC_BAND_ROWS
+        matmul.SYMMETRIC_BAND_ROWS = rows
+        try:
+            return fn()
+        finally:
+            matmul.SYMMETRIC_BAND_ROWS = saved
 
     return run
 
@@ -133,6 +157,21 @@ def measure_ns(
                 ),
             )
         )
+    matmul = getattr(kernels, "matmul", None)
+    if hasattr(matmul, "SYMMETRIC_BAND_ROWS"):
+        # the symmetric products whole (the tree before symmetric_bmm_add), and with bands of
+        # other heights than the default: the band rule measured in the same run
+        for rows in SWEPT_BAND_ROWS:
+            variants.append(
+                (
+                    f"shardopt_batched_bands{rows}" if rows else "shardopt_batched_whole",
+                    lambda st, rows=rows: _with_band_rows(
+                        matmul,
+                        rows,
+                        lambda: [muon_alg.newton_schulz(x, coefficients, EPS) for x in st],
+                    ),
+                )
+            )
     gram = _shardopt_ns(muon_alg, "gram_newton_schulz")
     if gram is not None:
         variants.append(

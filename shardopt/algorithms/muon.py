@@ -283,8 +283,9 @@ def lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
 
 
 def _gram(x: torch.Tensor, tall: bool) -> torch.Tensor:
-    """``X Xᵀ`` of the wide orientation: ``Xᵀ X`` of a tall stack, in its own layout."""
-    return torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
+    """``X Xᵀ`` of the wide orientation: ``Xᵀ X`` of a tall stack, in its own layout; by its
+    lower block rows on CUDA (``kernels.symmetric_bmm_add``), ``torch.bmm`` elsewhere."""
+    return kernels.symmetric_bmm_add(x.mT, x) if tall else kernels.symmetric_bmm_add(x, x.mT)
 
 
 def _left(m: torch.Tensor, x: torch.Tensor, tall: bool, beta: float = 0.0) -> torch.Tensor:
@@ -315,7 +316,7 @@ def newton_schulz(
     x.div_(norm.clamp_(min=eps))
     for a, b, c in coefficients:
         gram = _gram(x, tall)
-        update = kernels.bmm_add(gram, gram, gram, alpha=c, beta=b)
+        update = kernels.symmetric_bmm_add(gram, gram, gram, alpha=c, beta=b)
         x = _left(update, x, tall, beta=a)
     return x
 
@@ -352,10 +353,10 @@ def gram_newton_schulz(
             x = _left(q, x, tall)
             gram = _gram(x, tall)
             q = None
-        poly = kernels.bmm_add(gram, gram, gram, alpha=c, beta=b).add_(eye, alpha=a)
+        poly = kernels.symmetric_bmm_add(gram, gram, gram, alpha=c, beta=b).add_(eye, alpha=a)
         q = poly if q is None else torch.bmm(poly, q)
         if i + 1 < steps and i + 1 not in restarts:
-            gram = torch.bmm(poly, torch.bmm(gram, poly))
+            gram = kernels.symmetric_bmm_add(poly, torch.bmm(gram, poly))
     if q is not None:
         x = _left(q, x, tall)
     return x

@@ -13,8 +13,9 @@ here imports shardopt.optimizers or shardopt.zero):
 - ``ops``: the Python wrapper of every kernel; ``custom_ops``: the ``torch.library`` op of every
   kernel (registered at the first torch.compile trace).
 - ``compact``: the compact-state Adam entry (``adam_compact``).
-- ``matmul``: ``bmm_add``, baddbmm without its copy of the addend on CUDA (Newton-Schulz's
-  products; not a multi-tensor kernel, so no spec).
+- ``matmul``: ``bmm_add``, baddbmm without its copy of the addend on CUDA, and
+  ``symmetric_bmm_add``, a symmetric product by its lower block rows (Newton-Schulz's products;
+  not multi-tensor kernels, so no spec).
 
 The names below are the layer's interface to the optimizers (docs/kernels.md). ``adam_compact``
 here is the compact-state entry (it checks the lists against their ``state_format`` and runs the
@@ -33,7 +34,7 @@ from shardopt.kernels.loader import (
     describe,
     extension,
 )
-from shardopt.kernels.matmul import bmm_add
+from shardopt.kernels.matmul import bmm_add, symmetric_bmm_add
 from shardopt.kernels.ops import (
     adagrad,
     adam,
@@ -54,6 +55,7 @@ __all__ = [
     "adam_compact",
     "as_is_kwargs",
     "bmm_add",
+    "symmetric_bmm_add",
     "backend",
     "check_param_devices",
     "chunk_size",

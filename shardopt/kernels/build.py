@@ -72,8 +72,9 @@ CPU_SOURCES = (
     + [f"optim/{name}_cpu.cpp" for name in OPTIMIZERS]
     + [f"norm/{name}_cpu.cpp" for name in NORM_KERNELS]
 )
-# Batched matmul whose addend is read, not copied (Newton-Schulz's products): CUDA only, no spec
-LINALG_CUDA_SOURCES = ["linalg/bmm_add_cuda.cu"]
+# Batched matmuls for Newton-Schulz (the addend read, not copied; symmetric products by their
+# lower block rows) on cuBLASLt: CUDA only, no spec
+LINALG_CUDA_SOURCES = ["linalg/lt_matmul.cu", "linalg/bmm_add_cuda.cu"]
 CUDA_SOURCES = (
     [f"optim/{name}_cuda.cu" for name in OPTIMIZERS]
     + [f"norm/{name}_cuda.cu" for name in NORM_KERNELS]

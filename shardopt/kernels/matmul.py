@@ -1,5 +1,6 @@
 """``bmm_add``: ``beta * c + alpha * a @ b`` over a batch of matrices, as ``torch.baddbmm`` with
-``c`` as its ``input``, into a new tensor, without the copy of ``c`` torch's CUDA baddbmm makes.
+``c`` as its ``input``, into a new tensor, without the copy of ``c`` torch's CUDA baddbmm makes;
+``symmetric_bmm_add``: the same for a product known to be symmetric, computing about half of it.
 
 Out of place, torch's CUDA baddbmm copies ``input`` into its result, then runs the GEMM with
 beta reading it back. On bf16/fp16 CUDA matrices this runs one cuBLASLt matmul that reads ``c``
@@ -9,6 +10,15 @@ The arithmetic is baddbmm's (fp32 accumulation, alpha and beta in fp32, one roun
 GEMM kernel cuBLAS picks. Everything else is ``torch.baddbmm``: CPU tensors, fp32 and fp64 (which
 keep torch's TF32 settings), an extension built without CUDA, and while torch.compile traces
 (Inductor sees the plain op).
+
+Newton-Schulz's ``X Xᵀ`` and ``b A + c A²`` are symmetric. On the same 16-bit CUDA stacks,
+``symmetric_bmm_add`` cuts the n x n result into bands of rows and computes only the lower block
+triangle (each band's entries up to the end of its diagonal block, one cuBLASLt matmul per band,
+written in place), then mirrors it: ``(bands + 1) / (2 bands)`` of the multiply-adds (Note:
+symmetric products in csrc/linalg/bmm_add_cuda.cu). Each entry is the full product's dot
+product, so the result is the full product's up to cuBLAS's kernel choice, exactly symmetric off
+the diagonal blocks. Shorter bands are less efficient GEMMs: ``symmetric_bands`` keeps each band
+at least ``SYMMETRIC_BAND_ROWS`` rows, so small matrices run the full product.
 """
 
 from __future__ import annotations
@@ -19,6 +29,19 @@ from torch import Tensor
 from shardopt.kernels import loader
 
 _HALF = (torch.bfloat16, torch.float16)
+#: the fewest rows of a band of ``symmetric_bmm_add`` (fewer bands below it; one: the full product)
+SYMMETRIC_BAND_ROWS = 512
+
+
+def _fast(c: Tensor, *others: Tensor) -> bool:
+    """Whether the cuBLASLt path takes these: 16-bit CUDA stacks of one dtype, not traced."""
+    return (
+        c.is_cuda
+        and c.dtype in _HALF
+        and all(t.dtype == c.dtype for t in others)
+        and not torch.compiler.is_compiling()
+        and loader.cuda_available()
+    )
 
 
 def bmm_add(a: Tensor, b: Tensor, c: Tensor, *, alpha: float = 1.0, beta: float = 1.0) -> Tensor:
@@ -32,12 +55,37 @@ def bmm_add(a: Tensor, b: Tensor, c: Tensor, *, alpha: float = 1.0, beta: float 
         >>> bmm_add(a, b, c, alpha=2.0, beta=0.5)[0, 0, 0].item()  # 0.5 * 1 + 2 * 3
         6.5
     """
-    if (
-        c.is_cuda
-        and c.dtype in _HALF
-        and a.dtype == b.dtype == c.dtype
-        and not torch.compiler.is_compiling()
-        and loader.cuda_available()
-    ):
+    if _fast(c, a, b):
         return loader.extension().cuda.bmm_add(a, b, c, float(alpha), float(beta))
+    return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+
+
+def symmetric_bands(n: int) -> int:
+    """How many bands ``symmetric_bmm_add`` cuts an n x n result into: as many as keep each at
+    least ``SYMMETRIC_BAND_ROWS`` rows (1 below twice that: the full product)."""
+    return max(1, n // SYMMETRIC_BAND_ROWS) if SYMMETRIC_BAND_ROWS > 0 else 1
+
+
+def symmetric_bmm_add(
+    a: Tensor, b: Tensor, c: Tensor | None = None, *, alpha: float = 1.0, beta: float = 1.0
+) -> Tensor:
+    """``beta * c + alpha * (a @ b)`` (``alpha * (a @ b)`` without ``c``) for a product the caller
+    knows is symmetric: ``a`` (k, n, q), ``b`` (k, q, n), ``c`` (k, n, n) symmetric, as
+    ``X Xᵀ`` or ``b A + c A²``; a new tensor, ``c`` only read.
+
+    On 16-bit CUDA stacks only the lower block triangle is computed and then mirrored (the
+    module's docstring); elsewhere it is ``torch.bmm`` / ``torch.baddbmm`` of the whole, bit for
+    bit. ``a`` and ``b`` may be transposed views (``x.mT``) of contiguous stacks.
+
+    Example:
+        >>> x = torch.ones(1, 2, 3)
+        >>> symmetric_bmm_add(x, x.mT, alpha=2.0)[0].tolist()
+        [[6.0, 6.0], [6.0, 6.0]]
+    """
+    if _fast(a, b, *(() if c is None else (c,))):
+        bands = symmetric_bands(a.size(-2))
+        return loader.extension().cuda.symmetric_bmm_add(a, b, c, float(alpha), float(beta), bands)
+    if c is None:
+        out = torch.bmm(a, b)
+        return out if alpha == 1.0 else out.mul_(alpha)
     return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)

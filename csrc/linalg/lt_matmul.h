@@ -1,0 +1,28 @@
+// One cuBLASLt matmul on views of torch tensors (csrc/linalg/lt_matmul.cu): the engine of
+// bmm_add and symmetric_bmm_add (bmm_add_cuda.cu).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstddef>
+#include <string>
+
+namespace shardopt {
+
+// "(d0, d1, ...)": a shape for an error message, as plain text (streaming IntArrayRef into
+// TORCH_CHECK from an nvcc-built file crashed the process on torch 2.11: seen on an H100)
+std::string shape_text(const at::Tensor& x);
+
+// cuBLAS's recommendation for Hopper: the workspace each lt_matmul is given
+constexpr size_t kLtWorkspaceBytes = 32u << 20;
+
+// d = alpha * a @ b + beta * c on one stream, for 3-D 16-bit CUDA views with one dtype: a (k, p,
+// q) and b (k, q, r) each row-major or a transposed view (unit stride in one of the last two
+// dims), c and d (k, p, r) row-major with any leading and batch strides (d may be a block of a
+// larger tensor; c may be d itself when beta is 0). Returns false, having launched nothing,
+// where cuBLASLt is missing or takes no such case: the caller falls back to torch. Descriptors
+// and the algorithm are made once per case (shapes, strides, alignments) and kept.
+bool lt_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, at::Tensor& d,
+               float alpha, float beta, void* workspace);
+
+}  // namespace shardopt
