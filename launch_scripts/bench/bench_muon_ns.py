@@ -10,6 +10,7 @@ says.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -138,13 +139,31 @@ def measure_ns(
     of the 8192³ GEMM rate and of the same-shape GEMM rate (both measured in this run)."""
     flops = ns_flops(shapes, NS_STEPS)
     coefficients = [COEFFICIENTS] * NS_STEPS
+    one_stream = (
+        "shardopt_batched",
+        lambda st: lambda: [muon_alg.newton_schulz(x, coefficients, EPS) for x in st],
+    )
     variants: list[tuple[str, Callable[[list[torch.Tensor]], Callable[[], Any]]]] = [
-        ("gemm_same_shapes", _gemm_chain),
-        (
-            "shardopt_batched",
-            lambda st: lambda: [muon_alg.newton_schulz(x, coefficients, EPS) for x in st],
-        ),
+        ("gemm_same_shapes", _gemm_chain)
     ]
+    try:  # FusedMuon's own way through a group's stacks (small ones at once on side streams)
+        streams = importlib.import_module("shardopt.algorithms.muon_streams")
+    except ImportError:  # a tree before it: one stack after another
+        variants.append(one_stream)
+    else:
+        variants.append(
+            (
+                "shardopt_batched",
+                lambda st: (
+                    lambda: list(
+                        streams.orthogonalized(
+                            st, lambda x: muon_alg.newton_schulz(x, coefficients, EPS)
+                        )
+                    )
+                ),
+            )
+        )
+        variants.append(("shardopt_batched_one_stream", one_stream[1]))
     kernels = getattr(muon_alg, "kernels", None)
     if hasattr(kernels, "bmm_add"):
         # the same iteration with torch.baddbmm as its sum (the copy of X bmm_add skips), so

@@ -1,7 +1,8 @@
 """The Muon update over a list of params, one function for ``FusedMuon`` (all of a group's
 params) and ``DistributedFusedMuon`` (the params this rank owns): the Newton-Schulz stacks of a
 group (``shape_batches``), the step (``muon_step``: the fused momentum kernel writes each
-Newton-Schulz input into its stack, one chain per shape, the fused apply kernel decays and adds)
+Newton-Schulz input into its stack, one chain per shape (small stacks at once on side streams:
+``algorithms.muon_streams``), the fused apply kernel decays and adds)
 and torch.optim.Muon's state-dict form (``drop_muon_steps``). The algorithm itself is
 shardopt/algorithms/muon.py."""
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardopt.algorithms import muon
+from shardopt.algorithms import muon, muon_streams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +84,8 @@ def muon_step(
             blocks = _row_blocks(mixes[i], group["flatten"], row, b.rows)
             stack[offset : offset + count].copy_(blocks)
     updates: list = [None] * len(params)
-    for b, stack in zip(batches, stacks):
-        ortho = muon.orthogonalize(stack, group)
+    orthos = muon_streams.orthogonalized(stacks, lambda stack: muon.orthogonalize(stack, group))
+    for b, ortho in zip(batches, orthos):
         ratio = muon.lr_ratio(group["adjust_lr_fn"], b.rows, b.cols)
         for i, offset, count, row in b.gathered:  # each block with its own shape scale
             if updates[i] is None:
