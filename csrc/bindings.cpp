@@ -125,8 +125,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            ReleaseGil(), "a"_a, "b"_a, "c"_a, "alpha"_a = 1.0, "beta"_a = 1.0);
   cuda.def("symmetric_bmm_add", &symmetric_bmm_add_cuda,
            "bmm_add for a square product known to be symmetric: the lower block rows of "
-           "blocks bands as cuBLASLt matmuls, then mirrored; c may be None",
+           "blocks bands as cuBLASLt matmuls, then mirrored",
            ReleaseGil(), "a"_a, "b"_a, "c"_a, "alpha"_a = 1.0, "beta"_a = 1.0, "blocks"_a = 1);
+  cuda.def("symmetric_bmm", &symmetric_bmm_cuda,
+           "alpha * a @ b for a square product known to be symmetric (symmetric_bmm_add "
+           "without an addend)",
+           ReleaseGil(), "a"_a, "b"_a, "alpha"_a = 1.0, "blocks"_a = 1);
   m.attr("has_cuda") = true;
   m.attr("cuda_chunk_size") = cuda::kChunkSize;
 #else

@@ -63,10 +63,12 @@ using TensorPair = std::tuple<at::Tensor, at::Tensor>;
 at::Tensor bmm_add_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                         double alpha, double beta);
 // the same for a product known to be symmetric (n x n): its lower block rows in `blocks` bands,
-// then mirrored; c optional (Note: symmetric products in csrc/linalg/bmm_add_cuda.cu)
-at::Tensor symmetric_bmm_add_cuda(const at::Tensor& a, const at::Tensor& b,
-                                  const c10::optional<at::Tensor>& c, double alpha, double beta,
-                                  int64_t blocks);
+// then mirrored (Note: symmetric products in csrc/linalg/bmm_add_cuda.cu); symmetric_bmm is
+// alpha * a @ b alone
+at::Tensor symmetric_bmm_add_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                                  double alpha, double beta, int64_t blocks);
+at::Tensor symmetric_bmm_cuda(const at::Tensor& a, const at::Tensor& b, double alpha,
+                              int64_t blocks);
 #endif
 
 }  // namespace shardopt

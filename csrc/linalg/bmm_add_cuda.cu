@@ -118,12 +118,14 @@ at::Tensor bmm_add_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   return full_product(a, b, c, alpha, beta);
 }
 
-at::Tensor symmetric_bmm_add_cuda(const at::Tensor& a, const at::Tensor& b,
-                                  const c10::optional<at::Tensor>& c_opt, double alpha,
-                                  double beta, int64_t blocks) {
-  const at::Tensor c = c_opt.has_value() ? *c_opt : at::Tensor();
-  check_chain("symmetric_bmm_add", a, b, c, true);
-  TORCH_CHECK(blocks >= 1, "symmetric_bmm_add: blocks must be at least 1, got ", blocks);
+namespace {
+
+// symmetric_bmm_add and symmetric_bmm: c undefined for the latter
+at::Tensor symmetric_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                             double alpha, double beta, int64_t blocks) {
+  const char* name = c.defined() ? "symmetric_bmm_add" : "symmetric_bmm";
+  check_chain(name, a, b, c, true);
+  TORCH_CHECK(blocks >= 1, name, ": blocks must be at least 1, got ", blocks);
   c10::cuda::CUDAGuard guard(a.device());
   const int64_t batch = a.size(0), n = a.size(1);
   // bands of h rows, h a multiple of 8 (16-byte aligned offsets in 16-bit rows)
@@ -157,6 +159,19 @@ at::Tensor symmetric_bmm_add_cuda(const at::Tensor& a, const at::Tensor& b,
       reinterpret_cast<uint16_t*>(d.data_ptr()), n, h, batch);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return d;
+}
+
+}  // namespace
+
+at::Tensor symmetric_bmm_add_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                                  double alpha, double beta, int64_t blocks) {
+  TORCH_CHECK(c.defined(), "symmetric_bmm_add: c is required (symmetric_bmm has none)");
+  return symmetric_product(a, b, c, alpha, beta, blocks);
+}
+
+at::Tensor symmetric_bmm_cuda(const at::Tensor& a, const at::Tensor& b, double alpha,
+                              int64_t blocks) {
+  return symmetric_product(a, b, at::Tensor(), alpha, 0.0, blocks);
 }
 
 }  // namespace shardopt

@@ -48,7 +48,8 @@ def test_cpu_is_torchs_whole_product_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize(
-    "rows,n,bands", [(512, 1024, 2), (512, 1023, 1), (512, 4096, 8), (0, 4096, 1), (300, 900, 3)]
+    "rows,n,bands",
+    [(512, 1024, 2), (512, 1023, 1), (512, 2048, 4), (512, 8192, 4), (0, 4096, 1), (300, 900, 3)],
 )
 def test_bands_keep_the_fewest_rows(monkeypatch, rows, n, bands):
     monkeypatch.setattr(matmul, "SYMMETRIC_BAND_ROWS", rows)
@@ -71,7 +72,7 @@ def test_cuda_gram_matches_fp64_and_torch(dtype, case, tall):
     k, n, q, bands = case
     x = (_gauss(k, q, n) if tall else _gauss(k, n, q)).to("cuda", dtype)
     a, b = (x.mT, x) if tall else (x, x.mT)
-    got = kernels.extension().cuda.symmetric_bmm_add(a, b, None, 1.0, 0.0, bands)
+    got = kernels.extension().cuda.symmetric_bmm(a, b, 1.0, bands)
     ref = (x.double().mT @ x.double()) if tall else (x.double() @ x.double().mT)
     theirs = torch.bmm(a, b)
     assert got.shape == (k, n, n) and got.dtype == dtype and got.is_contiguous()
@@ -107,7 +108,7 @@ def test_cuda_computes_only_the_lower_bands():
     does the promised half of the work, not the whole."""
     n, bands = 96, 3
     a, b = (_gauss(2, n, 64, seed=s).to("cuda", torch.bfloat16) for s in (1, 2))
-    got = kernels.extension().cuda.symmetric_bmm_add(a, b.mT, None, 1.0, 0.0, bands)
+    got = kernels.extension().cuda.symmetric_bmm(a, b.mT, 1.0, bands)
     full = torch.bmm(a, b.mT)
     above = _above_bands(n, _band_of(n, bands)).cuda()
     assert torch.equal(got[:, above], got.mT[:, above])
@@ -116,21 +117,68 @@ def test_cuda_computes_only_the_lower_bands():
     assert _relative(got[:, kept], full[:, kept].double().cpu()) <= UNIT[torch.bfloat16]
 
 
+def test_bad_shapes_raise_on_every_device():
+    x = _gauss(2, 40, 24)
+    with pytest.raises(
+        ValueError, match=r"a \(2, 40, 24\) @ b \(2, 24, 30\) is not a batch of square"
+    ):
+        kernels.symmetric_bmm_add(x, x[:, :30].mT)
+    with pytest.raises(ValueError, match=r"must be 3-D, got shapes \[\(40, 24\)"):
+        kernels.symmetric_bmm_add(x[0], x.mT)
+    sym = torch.bmm(x, x.mT)
+    with pytest.raises(
+        ValueError, match=r"c \(2, 40, 39\) must be the product's shape \(2, 40, 40\)"
+    ):
+        kernels.symmetric_bmm_add(x, x.mT, sym[..., :-1])
+
+
 @CUDA_MARK
 @CUDA_SKIP
-def test_cuda_fp32_is_torch_and_bad_arguments_raise():
+def test_cuda_fp32_is_torch():
     x = _gauss(2, 40, 24).to("cuda", torch.float32)
     assert torch.equal(kernels.symmetric_bmm_add(x, x.mT), torch.bmm(x, x.mT))
-    ext = kernels.extension().cuda
-    y = x.bfloat16()
-    with pytest.raises(RuntimeError, match=r"must be square \(symmetric\), got a \(2, 40, 24\)"):
-        ext.symmetric_bmm_add(y, y[:, :30].mT, None, 1.0, 0.0, 2)
-    with pytest.raises(RuntimeError, match="blocks must be at least 1, got 0"):
-        ext.symmetric_bmm_add(y, y.mT, None, 1.0, 0.0, 0)
-    with pytest.raises(RuntimeError, match=r"shapes do not chain: a \(2, 40, 24\) @ b \(2, 23"):
-        ext.symmetric_bmm_add(y, y.mT[:, :-1], None, 1.0, 0.0, 2)
-    with pytest.raises(RuntimeError, match="one dtype"):
-        ext.symmetric_bmm_add(y, y.mT.half(), None, 1.0, 0.0, 2)
+    sym = torch.bmm(x, x.mT)
+    got = kernels.symmetric_bmm_add(sym, sym, sym, alpha=2.0, beta=-1.0)
+    assert torch.equal(got, torch.baddbmm(sym, sym, sym, beta=-1.0, alpha=2.0))
+
+
+# the extension's own checks, in a child process (a fault there fails this test, not the run)
+_EXTENSION_CHECKS = r"""
+import torch
+from shardopt import kernels
+ext = kernels.extension().cuda
+y = torch.randn(2, 40, 24, device="cuda", dtype=torch.bfloat16)
+s = torch.bmm(y, y.mT)
+cases = [
+    (lambda: ext.symmetric_bmm(y, y[:, :30].mT, 1.0, 2),
+     "must be square (symmetric), got a (2, 40, 24)"),
+    (lambda: ext.symmetric_bmm(y, y.mT, 1.0, 0), "symmetric_bmm: blocks must be at least 1, got 0"),
+    (lambda: ext.symmetric_bmm(y, y.mT[:, :-1], 1.0, 2),
+     "shapes do not chain: a (2, 40, 24) @ b (2, 23"),
+    (lambda: ext.symmetric_bmm(y, y.mT.half(), 1.0, 2), "one dtype"),
+    (lambda: ext.symmetric_bmm_add(y, y.mT, s[:, :-1], 1.0, 1.0, 2), "+ c (2, 39, 40)"),
+]
+for call, message in cases:
+    try:
+        call()
+    except RuntimeError as exc:
+        assert message in str(exc), (message, str(exc))
+    else:
+        raise AssertionError(f"no error: {message}")
+print("checked", len(cases))
+"""
+
+
+@CUDA_MARK
+@CUDA_SKIP
+def test_cuda_extension_checks_name_the_problem():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _EXTENSION_CHECKS], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and "checked 5" in out.stdout, (out.returncode, out.stderr[-3000:])
 
 
 @pytest.mark.parametrize("fn", ["newton_schulz", "gram_newton_schulz"])
