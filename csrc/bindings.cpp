@@ -22,6 +22,7 @@
 #include "kernels.h"
 #include "multi_tensor/cpu_apply.h"
 #ifdef SHARDOPT_WITH_CUDA
+#include "linalg/matmul_checks.h"
 #include "multi_tensor/cuda_chunk.h"
 #endif
 
@@ -119,18 +120,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cuda.def(#name, &name##_cuda, doc, ReleaseGil(), __VA_ARGS__);
 #include "kernels.def"
 #undef SHARDOPT_KERNEL
-  cuda.def("bmm_add", &bmm_add_cuda,
-           "alpha * a @ b + beta * c for 3-D CUDA tensors into a new tensor: one cuBLASLt "
-           "matmul for bf16/fp16 (C read, D written, no copy of C), torch.baddbmm otherwise",
-           ReleaseGil(), "a"_a, "b"_a, "c"_a, "alpha"_a = 1.0, "beta"_a = 1.0);
-  cuda.def("symmetric_bmm_add", &symmetric_bmm_add_cuda,
-           "bmm_add for a square product known to be symmetric: the lower block rows of "
-           "blocks bands as cuBLASLt matmuls, then mirrored",
-           ReleaseGil(), "a"_a, "b"_a, "c"_a, "alpha"_a = 1.0, "beta"_a = 1.0, "blocks"_a = 1);
-  cuda.def("symmetric_bmm", &symmetric_bmm_cuda,
-           "alpha * a @ b for a square product known to be symmetric (symmetric_bmm_add "
-           "without an addend)",
-           ReleaseGil(), "a"_a, "b"_a, "alpha"_a = 1.0, "blocks"_a = 1);
+  // the matmuls' arguments are checked here, host-compiled, before their nvcc-built code runs
+  // (Note: checks before nvcc-built code in linalg/matmul_checks.cpp)
+  cuda.def(
+      "bmm_add",
+      [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, double alpha,
+         double beta) {
+        check_batched_matmul("bmm_add", a, b, c, false);
+        return bmm_add_cuda(a, b, c, alpha, beta);
+      },
+      "alpha * a @ b + beta * c for 3-D CUDA tensors into a new tensor: one cuBLASLt "
+      "matmul for bf16/fp16 (C read, D written, no copy of C), torch.baddbmm otherwise",
+      ReleaseGil(), "a"_a, "b"_a, "c"_a, "alpha"_a = 1.0, "beta"_a = 1.0);
+  cuda.def(
+      "symmetric_bmm_add",
+      [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, double alpha,
+         double beta, int64_t blocks) {
+        check_batched_matmul("symmetric_bmm_add", a, b, c, true, blocks);
+        return symmetric_bmm_add_cuda(a, b, c, alpha, beta, blocks);
+      },
+      "bmm_add for a square product known to be symmetric: the lower block rows of "
+      "blocks bands as cuBLASLt matmuls, then mirrored",
+      ReleaseGil(), "a"_a, "b"_a, "c"_a, "alpha"_a = 1.0, "beta"_a = 1.0, "blocks"_a = 1);
+  cuda.def(
+      "symmetric_bmm",
+      [](const at::Tensor& a, const at::Tensor& b, double alpha, int64_t blocks) {
+        check_batched_matmul("symmetric_bmm", a, b, at::Tensor(), true, blocks);
+        return symmetric_bmm_cuda(a, b, alpha, blocks);
+      },
+      "alpha * a @ b for a square product known to be symmetric (symmetric_bmm_add "
+      "without an addend)",
+      ReleaseGil(), "a"_a, "b"_a, "alpha"_a = 1.0, "blocks"_a = 1);
   m.attr("has_cuda") = true;
   m.attr("cuda_chunk_size") = cuda::kChunkSize;
 #else

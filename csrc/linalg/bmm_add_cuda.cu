@@ -35,29 +35,11 @@
 #include "../kernels.h"
 #include "lt_matmul.h"
 
+// The arguments are checked before these entry points are called (bindings.cpp runs
+// check_batched_matmul: Note: checks before nvcc-built code in matmul_checks.cpp).
+
 namespace shardopt {
 namespace {
-
-void check_chain(const char* name, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-                 bool square) {
-  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && (!c.defined() || c.dim() == 3), name,
-              ": a, b and c must be 3-D (batch, rows, cols), got shapes ", shape_text(a), ", ",
-              shape_text(b), (c.defined() ? ", " + shape_text(c) : std::string()));
-  const int64_t batch = a.size(0), p = a.size(1), q = a.size(2), r = b.size(2);
-  const bool c_ok = !c.defined() || (c.size(0) == batch && c.size(1) == p && c.size(2) == r);
-  TORCH_CHECK(b.size(0) == batch && b.size(1) == q && c_ok, name, ": shapes do not chain: a ",
-              shape_text(a), " @ b ", shape_text(b),
-              (c.defined() ? " + c " + shape_text(c) : std::string()));
-  TORCH_CHECK(!square || p == r, name, ": the product must be square (symmetric), got a ",
-              shape_text(a), " @ b ", shape_text(b));
-  TORCH_CHECK(a.is_cuda() && b.device() == a.device() && (!c.defined() || c.device() == a.device()),
-              name, ": a, b and c must be on one CUDA device");
-  TORCH_CHECK(a.scalar_type() == b.scalar_type() &&
-                  (!c.defined() || c.scalar_type() == a.scalar_type()),
-              name, ": a, b and c must have one dtype, got ", a.scalar_type(), ", ",
-              b.scalar_type(), (c.defined() ? ", " + std::string(c10::toString(c.scalar_type()))
-                                            : std::string()));
-}
 
 at::Tensor workspace_for(const at::Tensor& like) {
   return at::empty({static_cast<int64_t>(kLtWorkspaceBytes)}, like.options().dtype(at::kByte));
@@ -112,8 +94,6 @@ at::Tensor full_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
 
 at::Tensor bmm_add_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                         double alpha, double beta) {
-  TORCH_CHECK(c.defined(), "bmm_add: c is required");
-  check_chain("bmm_add", a, b, c, false);
   c10::cuda::CUDAGuard guard(c.device());
   return full_product(a, b, c, alpha, beta);
 }
@@ -123,9 +103,6 @@ namespace {
 // symmetric_bmm_add and symmetric_bmm: c undefined for the latter
 at::Tensor symmetric_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                              double alpha, double beta, int64_t blocks) {
-  const char* name = c.defined() ? "symmetric_bmm_add" : "symmetric_bmm";
-  check_chain(name, a, b, c, true);
-  TORCH_CHECK(blocks >= 1, name, ": blocks must be at least 1, got ", blocks);
   c10::cuda::CUDAGuard guard(a.device());
   const int64_t batch = a.size(0), n = a.size(1);
   // bands of h rows, h a multiple of 8 (16-byte aligned offsets in 16-bit rows)
@@ -165,7 +142,6 @@ at::Tensor symmetric_product(const at::Tensor& a, const at::Tensor& b, const at:
 
 at::Tensor symmetric_bmm_add_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                                   double alpha, double beta, int64_t blocks) {
-  TORCH_CHECK(c.defined(), "symmetric_bmm_add: c is required (symmetric_bmm has none)");
   return symmetric_product(a, b, c, alpha, beta, blocks);
 }
 

@@ -25,12 +25,6 @@
 
 namespace shardopt {
 
-std::string shape_text(const at::Tensor& x) {
-  std::string out = "(";
-  for (int64_t i = 0; i < x.dim(); ++i) out += (i ? ", " : "") + std::to_string(x.size(i));
-  return out + ")";
-}
-
 namespace {
 
 // cuBLASLt's functions, looked up once

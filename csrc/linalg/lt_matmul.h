@@ -9,10 +9,6 @@
 
 namespace shardopt {
 
-// "(d0, d1, ...)": a shape for an error message, as plain text (streaming IntArrayRef into
-// TORCH_CHECK from an nvcc-built file crashed the process on torch 2.11: seen on an H100)
-std::string shape_text(const at::Tensor& x);
-
 // cuBLAS's recommendation for Hopper: the workspace each lt_matmul is given
 constexpr size_t kLtWorkspaceBytes = 32u << 20;
 

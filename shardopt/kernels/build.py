@@ -74,7 +74,7 @@ CPU_SOURCES = (
 )
 # Batched matmuls for Newton-Schulz (the addend read, not copied; symmetric products by their
 # lower block rows) on cuBLASLt: CUDA only, no spec
-LINALG_CUDA_SOURCES = ["linalg/lt_matmul.cu", "linalg/bmm_add_cuda.cu"]
+LINALG_CUDA_SOURCES = ["linalg/matmul_checks.cpp", "linalg/lt_matmul.cu", "linalg/bmm_add_cuda.cu"]
 CUDA_SOURCES = (
     [f"optim/{name}_cuda.cu" for name in OPTIMIZERS]
     + [f"norm/{name}_cuda.cu" for name in NORM_KERNELS]

@@ -142,7 +142,8 @@ def test_cuda_fp32_is_torch():
     assert torch.equal(got, torch.baddbmm(sym, sym, sym, beta=-1.0, alpha=2.0))
 
 
-# the extension's own checks, in a child process (a fault there fails this test, not the run)
+# the extension's own checks (host-compiled, run by the bindings before the CUDA code: Note: checks
+# before nvcc-built code), in a child process: a fault there fails this test, not the whole run
 _EXTENSION_CHECKS = r"""
 import torch
 from shardopt import kernels
