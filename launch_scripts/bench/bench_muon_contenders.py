@@ -149,9 +149,14 @@ def heavyball_eager(shardopt: Any, muon_params: list, adamw_params: list) -> tup
     return _pair(_heavyball_muon(heavyball, muon_params), _torch_adamw(adamw_params))
 
 
-def heavyball_compiled(shardopt: Any, muon_params: list, adamw_params: list) -> tuple[Step, list]:
-    """heavyball.Muon as installed: its steps compiled (mode "max-autotune-no-cudagraphs")."""
+def heavyball_compiled(
+    shardopt: Any, muon_params: list, adamw_params: list, mode: str | None = None
+) -> tuple[Step, list]:
+    """heavyball.Muon compiled: in its own torch.compile mode ("max-autotune-no-cudagraphs",
+    whose autotuning outlasted a 212 s limit on an H100) or in ``mode`` (``HEAVYBALL_MODES``)."""
     heavyball = _import("heavyball", "heavyball")
+    if mode is not None:
+        heavyball.utils.compile_mode = mode
     return _pair(_heavyball_muon(heavyball, muon_params), _torch_adamw(adamw_params))
 
 
@@ -185,7 +190,9 @@ IN_PROCESS: dict[str, Builder] = {
 }
 
 #: contenders run by bench_muon_worker.py in a subprocess with a time limit
-SUBPROCESS = ("heavyball", "deepspeed")
+SUBPROCESS = ("heavyball", "heavyball_default", "deepspeed")
+#: the torch.compile mode of each compiled heavyball contender (None: heavyball's own)
+HEAVYBALL_MODES = {"heavyball": None, "heavyball_default": "default"}
 
 #: the distribution behind each contender, for its version in the report
 DISTRIBUTIONS = {
@@ -197,6 +204,7 @@ DISTRIBUTIONS = {
     "emerging_syrk": "emerging-optimizers",
     "heavyball_eager": "heavyball",
     "heavyball": "heavyball",
+    "heavyball_default": "heavyball",
     "deepspeed": "deepspeed",
 }
 

@@ -13,7 +13,14 @@ STEP_TARGETS = (
 )
 #: Newton-Schulz over the bf16 GEMM rate measured in the same run
 NS_TARGET = 0.8
-PEERS = ("emerging", "emerging_syrk", "heavyball", "heavyball_eager", "deepspeed")
+PEERS = (
+    "emerging",
+    "emerging_syrk",
+    "heavyball",
+    "heavyball_default",
+    "heavyball_eager",
+    "deepspeed",
+)
 
 
 def _num(value: Any, digits: int = 3) -> str:

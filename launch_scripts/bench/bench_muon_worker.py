@@ -1,6 +1,7 @@
-"""The contenders of bench_muon.py that run in a subprocess: heavyball's Muon compiled (its
-default) and DeepSpeed's Muon (ZeRO-2 at world 1). bench_muon.py starts one process per peer with
-a time limit and reads its ``RESULT {json}`` lines; what a killed process printed still counts.
+"""The contenders of bench_muon.py that run in a subprocess: heavyball's Muon compiled (in its
+own torch.compile mode, and in torch's default mode) and DeepSpeed's Muon (ZeRO-2 at world 1).
+bench_muon.py starts one process per peer with a time limit and reads its ``RESULT {json}``
+lines; what a killed process printed still counts.
 
 DeepSpeed applies Muon inside ZeRO: the momentum and Newton-Schulz run when the gradient
 partitions are filled at the end of ``engine.backward`` (the accumulation boundary), the decay
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 from bench_common import Interval, free_memory, median, synchronize, time_fn
 from bench_muon_contenders import (
+    DISTRIBUTIONS,
+    HEAVYBALL_MODES,
     LR,
     WEIGHT_DECAY,
     Unavailable,
@@ -46,11 +49,11 @@ def _error(exc: BaseException) -> str:
 
 def heavyball_rows(args: argparse.Namespace, device: torch.device, timing: dict) -> None:
     for set_name in args.sets:
-        row: dict[str, Any] = {"kind": "step", "set": set_name, "contender": "heavyball"}
+        row: dict[str, Any] = {"kind": "step", "set": set_name, "contender": args.peer}
         params = None
         try:
             params = make_params(set_specs(set_name, args.tiny, args.llama_layers), device)
-            step, _ = heavyball_compiled(None, *params)
+            step, _ = heavyball_compiled(None, *params, mode=HEAVYBALL_MODES[args.peer])
             before = snapshot(params[0])
             times = time_fn(step, device, **timing)
             row.update(
@@ -200,7 +203,7 @@ def _deepspeed_set(deepspeed: Any, config: dict, specs: list, device, timing: di
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--peer", choices=["heavyball", "deepspeed"], required=True)
+    parser.add_argument("--peer", choices=[*HEAVYBALL_MODES, "deepspeed"], required=True)
     parser.add_argument("--sets", default="gpt124m")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--llama-layers", type=int, default=4)
@@ -227,9 +230,9 @@ def main() -> None:
         "max_iters": args.max_iters,
         "target_s": args.target_s,
     }
-    dist = {"heavyball": "heavyball", "deepspeed": "deepspeed"}[args.peer]
+    dist = DISTRIBUTIONS[args.peer]
     try:
-        (heavyball_rows if args.peer == "heavyball" else deepspeed_rows)(args, device, timing)
+        (heavyball_rows if args.peer in HEAVYBALL_MODES else deepspeed_rows)(args, device, timing)
     except Unavailable as exc:
         for set_name in args.sets:
             emit({"kind": "step", "set": set_name, "contender": args.peer, "error": str(exc)})

@@ -1,7 +1,7 @@
 """Newton-Schulz of a group's stacks (one per matrix shape) on side CUDA streams, at once.
 
 The stacks of one group are independent chains of ``bmm`` calls. Small stacks (the 124M GPT
-set's: 768-row matrices, a few dozen per shape) leave much of the GPU idle in each product's
+set's: 768-row matrices, a dozen per shape) leave much of the GPU idle in each product's
 last wave, so ``orthogonalized`` runs each stack on its own stream: their products overlap. The
 caller's stream waits for each result before using it, and each tensor crossing streams is
 recorded on the stream that uses it (the caching allocator then never hands its memory out

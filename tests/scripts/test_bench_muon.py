@@ -27,6 +27,7 @@ PEERS = {
     "emerging_syrk": "emerging_optimizers",
     "heavyball_eager": "heavyball",
     "heavyball": "heavyball",
+    "heavyball_default": "heavyball",
     "deepspeed": "deepspeed",
 }
 
