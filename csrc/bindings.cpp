@@ -22,6 +22,7 @@
 #include "kernels.h"
 #include "multi_tensor/cpu_apply.h"
 #ifdef SHARDOPT_WITH_CUDA
+#include "linalg/lt_matmul.h"
 #include "linalg/matmul_checks.h"
 #include "multi_tensor/cuda_chunk.h"
 #endif
@@ -151,6 +152,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "alpha * a @ b for a square product known to be symmetric (symmetric_bmm_add "
       "without an addend)",
       ReleaseGil(), "a"_a, "b"_a, "alpha"_a = 1.0, "blocks"_a = 1);
+  cuda.def("set_matmul_tuning", &set_matmul_tuning,
+           "how many of cuBLASLt's heuristic algorithms a new matmul case times at its first "
+           "call (0 or 1: the first, untimed); Note: tuning the matmuls in linalg/lt_matmul.cu",
+           "candidates"_a);
+  cuda.def("matmul_tuning", &matmul_tuning, "the candidates set_matmul_tuning set");
+  cuda.def("matmul_tuning_stats", &matmul_tuning_stats,
+           "(cases timed so far, how many kept another algorithm than the heuristic's first)");
   m.attr("has_cuda") = true;
   m.attr("cuda_chunk_size") = cuda::kChunkSize;
 #else

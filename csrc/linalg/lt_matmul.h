@@ -5,7 +5,9 @@
 #include <torch/extension.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <utility>
 
 namespace shardopt {
 
@@ -20,5 +22,15 @@ constexpr size_t kLtWorkspaceBytes = 32u << 20;
 // and the algorithm are made once per case (shapes, strides, alignments) and kept.
 bool lt_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, at::Tensor& d,
                float alpha, float beta, void* workspace);
+
+// How many of cuBLASLt's heuristic algorithms a new case times at its first call, keeping the
+// fastest (Note: tuning the matmuls in lt_matmul.cu); 0 or 1: the heuristic's first, untimed
+// (the default). The environment variable SHARDOPT_MATMUL_TUNING sets it at the first matmul.
+// Clamped to [0, kMaxTuningCandidates]; cases made before a change keep their algorithm.
+constexpr int64_t kMaxTuningCandidates = 32;
+void set_matmul_tuning(int64_t candidates);
+int64_t matmul_tuning();
+// (cases timed so far, how many of them kept another algorithm than the heuristic's first)
+std::pair<int64_t, int64_t> matmul_tuning_stats();
 
 }  // namespace shardopt

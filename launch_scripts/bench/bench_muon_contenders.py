@@ -102,6 +102,25 @@ def fused(shardopt: Any, muon_params: list, adamw_params: list) -> tuple[Step, l
     return _fused({})(shardopt, muon_params, adamw_params)
 
 
+def fused_tuned(shardopt: Any, muon_params: list, adamw_params: list) -> tuple[Step, list]:
+    """FusedMuon, default settings, with cuBLASLt's algorithms timed per matmul case
+    (``kernels.set_matmul_tuning(32)`` around each step; the warm-up steps time them)."""
+    kernels = shardopt.kernels
+    if not hasattr(kernels, "set_matmul_tuning"):
+        raise Unavailable("this shardopt has no kernels.set_matmul_tuning")
+    step, opts = fused(shardopt, muon_params, adamw_params)
+
+    def tuned_step() -> None:
+        saved = kernels.matmul_tuning()
+        kernels.set_matmul_tuning(32)
+        try:
+            step()
+        finally:
+            kernels.set_matmul_tuning(saved)
+
+    return tuned_step, opts
+
+
 def _fused_gram(ns_dtype: torch.dtype | None) -> Builder:
     """FusedMuon with Gram Newton-Schulz, where this shardopt has the option; in ``ns_dtype``
     (None: the class's default, bf16). fp16 is the precision in which Gram keeps the spec's
@@ -182,6 +201,7 @@ def grads_lost(params: tuple[list, list]) -> str | None:
 IN_PROCESS: dict[str, Builder] = {
     "torch": torch_muon,
     "fused": fused,
+    "fused_tuned": fused_tuned,
     "fused_gram": _fused_gram(None),
     "fused_gram16": _fused_gram(torch.float16),
     "emerging": _emerging(use_syrk=False),
@@ -198,6 +218,7 @@ HEAVYBALL_MODES = {"heavyball": None, "heavyball_default": "default"}
 DISTRIBUTIONS = {
     "torch": "torch",
     "fused": "shardopt",
+    "fused_tuned": "shardopt",
     "fused_gram": "shardopt",
     "fused_gram16": "shardopt",
     "emerging": "emerging-optimizers",

@@ -26,6 +26,8 @@ COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 VARIANT_DTYPES = {"shardopt_gram_fp16_batched": torch.float16}
 #: ``symmetric_bmm_add``'s fewest band rows timed beside the default (0: whole products)
 SWEPT_BAND_ROWS = (0, 1024, 256)
+#: ``kernels.set_matmul_tuning`` settings timed beside the default (no tuning)
+SWEPT_TUNING = (8, 32)
 
 
 def _rate(flops: float, ms: float) -> float:
@@ -127,6 +129,21 @@ def _with_band_rows(matmul: Any, rows: int, fn: Callable[[], Any]) -> Callable[[
     return run
 
 
+def _with_tuning(kernels: Any, candidates: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with cuBLASLt's algorithms timed per case (``kernels.set_matmul_tuning``): the
+    cases are new at this setting, so the warm-up calls time them and the timed calls launch."""
+
+    def run() -> Any:
+        saved = kernels.matmul_tuning()
+        kernels.set_matmul_tuning(candidates)
+        try:
+            return fn()
+        finally:
+            kernels.set_matmul_tuning(saved)
+
+    return run
+
+
 def measure_ns(
     set_name: str,
     shapes: list[tuple[int, int, int]],
@@ -189,6 +206,16 @@ def measure_ns(
                         rows,
                         lambda: [muon_alg.newton_schulz(x, coefficients, EPS) for x in st],
                     ),
+                )
+            )
+    if hasattr(kernels, "set_matmul_tuning"):
+        # FusedMuon's own way (the "shardopt_batched" row) with cuBLASLt's algorithms timed
+        default = dict(variants)["shardopt_batched"]
+        for candidates in SWEPT_TUNING:
+            variants.append(
+                (
+                    f"shardopt_batched_tuned{candidates}",
+                    lambda st, n=candidates: _with_tuning(kernels, n, default(st)),
                 )
             )
     gram = _shardopt_ns(muon_alg, "gram_newton_schulz")

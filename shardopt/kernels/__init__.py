@@ -15,7 +15,8 @@ here imports shardopt.optimizers or shardopt.zero):
 - ``compact``: the compact-state Adam entry (``adam_compact``).
 - ``matmul``: ``bmm_add``, baddbmm without its copy of the addend on CUDA, and
   ``symmetric_bmm_add``, a symmetric product by its lower block rows (Newton-Schulz's products;
-  not multi-tensor kernels, so no spec).
+  not multi-tensor kernels, so no spec), and ``set_matmul_tuning``, their opt-in timing of
+  cuBLASLt's algorithms.
 
 The names below are the layer's interface to the optimizers (docs/kernels.md). ``adam_compact``
 here is the compact-state entry (it checks the lists against their ``state_format`` and runs the
@@ -34,7 +35,13 @@ from shardopt.kernels.loader import (
     describe,
     extension,
 )
-from shardopt.kernels.matmul import bmm_add, symmetric_bmm_add
+from shardopt.kernels.matmul import (
+    bmm_add,
+    matmul_tuning,
+    matmul_tuning_stats,
+    set_matmul_tuning,
+    symmetric_bmm_add,
+)
 from shardopt.kernels.ops import (
     adagrad,
     adam,
@@ -55,6 +62,9 @@ __all__ = [
     "adam_compact",
     "as_is_kwargs",
     "bmm_add",
+    "matmul_tuning",
+    "matmul_tuning_stats",
+    "set_matmul_tuning",
     "symmetric_bmm_add",
     "backend",
     "check_param_devices",

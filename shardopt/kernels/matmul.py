@@ -19,9 +19,17 @@ symmetric products in csrc/linalg/bmm_add_cuda.cu). Each entry is the full produ
 product, so the result is the full product's up to cuBLAS's kernel choice, exactly symmetric off
 the diagonal blocks. Shorter bands are less efficient GEMMs: ``symmetric_bands`` keeps each band
 at least ``SYMMETRIC_BAND_ROWS`` rows, so small matrices run the full product.
+
+``set_matmul_tuning(n)`` (or ``SHARDOPT_MATMUL_TUNING=n`` in the environment) makes each new
+cuBLASLt case of these products time cuBLASLt's first ``n`` heuristic algorithms at its first call
+and keep the fastest (Note: tuning the matmuls in csrc/linalg/lt_matmul.cu). Off by default: the
+algorithm, and with it the last bits of a product, then depends on timings, so two processes may
+differ.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -34,6 +42,10 @@ SYMMETRIC_BAND_ROWS = 512
 #: the most bands (more cut little work: 4 bands do 62.5% of the products, 8 do 56%, in shorter
 #: GEMMs; on an H100, 4 bands beat 2 and 8 for n = 2048 and 4 beat 8 and 16 for n = 4096)
 SYMMETRIC_MAX_BANDS = 4
+#: the most heuristic algorithms ``set_matmul_tuning`` times per case (the extension's limit)
+MAX_TUNING_CANDIDATES = 32
+#: the setting where the extension has no CUDA kernels (it then changes nothing); None: not set
+_tuning_without_cuda: int | None = None
 
 
 def _fast(c: Tensor, *others: Tensor) -> bool:
@@ -115,3 +127,55 @@ def symmetric_bmm_add(
         out = torch.bmm(a, b)
         return out if alpha == 1.0 else out.mul_(alpha)
     return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+
+
+def set_matmul_tuning(candidates: int) -> None:
+    """Time cuBLASLt's first ``candidates`` heuristic algorithms for each new case of
+    ``bmm_add`` / ``symmetric_bmm_add`` on CUDA at its first call, and keep the fastest; 0 or 1:
+    the heuristic's first, untimed (the default). Cases already met keep their algorithm.
+
+    A tuned case's first call synchronizes the device and runs each candidate about a
+    millisecond, into a scratch tensor the size of its result; later calls only launch. The
+    bits of a tuned product are those of the algorithm timing chose: reproducible within a
+    process, not across processes. A case first met during CUDA graph capture is not timed.
+
+    Example:
+        >>> set_matmul_tuning(8)
+        >>> matmul_tuning()
+        8
+        >>> set_matmul_tuning(0)
+    """
+    global _tuning_without_cuda
+    if isinstance(candidates, bool) or not isinstance(candidates, int):
+        raise TypeError(f"set_matmul_tuning: candidates must be an int, got {candidates!r}")
+    if not 0 <= candidates <= MAX_TUNING_CANDIDATES:
+        raise ValueError(
+            f"set_matmul_tuning: candidates must be in [0, {MAX_TUNING_CANDIDATES}], got "
+            f"{candidates}"
+        )
+    if loader.cuda_available():
+        loader.extension().cuda.set_matmul_tuning(candidates)
+    else:
+        _tuning_without_cuda = candidates
+
+
+def matmul_tuning() -> int:
+    """The ``set_matmul_tuning`` setting (at first ``SHARDOPT_MATMUL_TUNING``, else 0)."""
+    if loader.cuda_available():
+        return int(loader.extension().cuda.matmul_tuning())
+    if _tuning_without_cuda is not None:
+        return _tuning_without_cuda
+    try:  # as the extension reads it: an integer, clamped to the range
+        value = int(os.environ.get("SHARDOPT_MATMUL_TUNING", "0"))
+    except ValueError:
+        value = 0
+    return max(0, min(value, MAX_TUNING_CANDIDATES))
+
+
+def matmul_tuning_stats() -> tuple[int, int]:
+    """``(timed, changed)``: the cases tuned so far in this process, and how many of them kept
+    another algorithm than the heuristic's first ((0, 0) without CUDA kernels)."""
+    if not loader.cuda_available():
+        return (0, 0)
+    timed, changed = loader.extension().cuda.matmul_tuning_stats()
+    return int(timed), int(changed)
