@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CUDA_MARKS
+from matmul_numerics import UNIT, relative
 
 from shardopt import kernels
 
@@ -29,10 +30,6 @@ def _stacks(shape, transposed, dtype, device, seed=0):
     if transposed[1]:
         b = b.mT.contiguous().mT
     return [t.to(device=device, dtype=dtype) for t in (a, b, c)]
-
-
-def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref).norm() / ref.norm())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -61,9 +58,8 @@ def test_cuda_matches_baddbmm_and_fp64(dtype, shape, view, alpha, beta):
     assert torch.equal(c, before)
     # one rounding of an fp32-accumulated product, as torch's: about torch's own error (the two
     # round the same fp32 sums up to the order of accumulation), and under a unit of the dtype
-    unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
-    assert _relative(out, ref) <= 1.5 * _relative(torch_out, ref)
-    assert _relative(out, ref) <= unit
+    assert relative(out, ref) <= 1.5 * relative(torch_out, ref)
+    assert relative(out, ref) <= UNIT[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

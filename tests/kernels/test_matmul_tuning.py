@@ -13,20 +13,12 @@ import sys
 import pytest
 import torch
 from conftest import CUDA_MARKS
+from matmul_numerics import UNIT, gauss, relative
 
 from shardopt import kernels
 from shardopt.kernels import matmul
 
 CUDA_MARK, CUDA_SKIP = CUDA_MARKS
-UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-
-
-def _gauss(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double().cpu() - ref).norm() / ref.norm())
 
 
 @pytest.fixture
@@ -65,8 +57,8 @@ def test_environment_sets_the_start():
 
 def test_cpu_products_ignore_tuning(tuning):
     tuning(8)
-    x = _gauss(2, 24, 40).float()
-    c = _gauss(2, 24, 24).float()
+    x = gauss(2, 24, 40).float()
+    c = gauss(2, 24, 24).float()
     before = matmul.matmul_tuning_stats()
     assert torch.equal(kernels.bmm_add(x, x.mT, c, beta=0.5), torch.baddbmm(c, x, x.mT, beta=0.5))
     assert torch.equal(kernels.symmetric_bmm_add(x, x.mT), torch.bmm(x, x.mT))
@@ -78,8 +70,8 @@ def test_cpu_products_ignore_tuning(tuning):
 @CUDA_SKIP
 def test_cuda_tuned_products_are_exact_to_rounding_and_keep_their_algorithm(tuning, dtype):
     tuning(16)
-    x = _gauss(3, 328, 200, seed=1)
-    c = _gauss(3, 328, 328, seed=2)
+    x = gauss(3, 328, 200, seed=1)
+    c = gauss(3, 328, 328, seed=2)
     xd, cd = x.to("cuda", dtype), c.to("cuda", dtype)
     c_before = cd.clone()
     timed0, _ = kernels.matmul_tuning_stats()
@@ -93,12 +85,12 @@ def test_cuda_tuned_products_are_exact_to_rounding_and_keep_their_algorithm(tuni
     ref = -1.25 * c_before.double().cpu() + 0.75 * torch.bmm(
         xd.double().cpu(), xd.double().cpu().mT
     )
-    assert _relative(first, ref) <= UNIT[dtype]
+    assert relative(first, ref) <= UNIT[dtype]
     # a symmetric product by bands: each band's case timed into scratch, the result intact
     sym = kernels.extension().cuda.symmetric_bmm(xd, xd.mT, 1.0, 3)
     assert kernels.matmul_tuning_stats()[0] > timed1
     ref_sym = torch.bmm(xd.double().cpu(), xd.double().cpu().mT)
-    assert _relative(sym, ref_sym) <= UNIT[dtype]
+    assert relative(sym, ref_sym) <= UNIT[dtype]
     assert torch.equal(sym, kernels.extension().cuda.symmetric_bmm(xd, xd.mT, 1.0, 3))
 
 
@@ -106,8 +98,8 @@ def test_cuda_tuned_products_are_exact_to_rounding_and_keep_their_algorithm(tuni
 @CUDA_SKIP
 def test_cuda_case_first_met_in_capture_is_timed_after(tuning):
     tuning(5)  # a setting no other test uses: every case below is new
-    x = _gauss(2, 264, 136, seed=3).to("cuda", torch.bfloat16)
-    c = _gauss(2, 264, 264, seed=4).to("cuda", torch.bfloat16)
+    x = gauss(2, 264, 136, seed=3).to("cuda", torch.bfloat16)
+    c = gauss(2, 264, 264, seed=4).to("cuda", torch.bfloat16)
     timed0, _ = kernels.matmul_tuning_stats()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -116,7 +108,7 @@ def test_cuda_case_first_met_in_capture_is_timed_after(tuning):
     graph.replay()
     torch.cuda.synchronize()
     ref = 0.5 * c.double().cpu() + 2.0 * torch.bmm(x.double().cpu(), x.double().cpu().mT)
-    assert _relative(out, ref) <= UNIT[torch.bfloat16]
+    assert relative(out, ref) <= UNIT[torch.bfloat16]
     eager = kernels.bmm_add(x, x.mT, c, alpha=2.0, beta=0.5)
     assert kernels.matmul_tuning_stats()[0] == timed0 + 1  # timed at its first eager call
-    assert _relative(eager, ref) <= UNIT[torch.bfloat16]
+    assert relative(eager, ref) <= UNIT[torch.bfloat16]

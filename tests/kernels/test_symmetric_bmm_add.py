@@ -7,21 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CUDA_MARKS
+from matmul_numerics import UNIT, gauss, relative
 
 from shardopt import kernels
 from shardopt.algorithms import muon
 from shardopt.kernels import matmul
 
 CUDA_MARK, CUDA_SKIP = CUDA_MARKS
-UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-
-
-def _gauss(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double().cpu() - ref).norm() / ref.norm())
 
 
 def _band_of(n: int, bands: int) -> int:
@@ -37,7 +29,7 @@ def _above_bands(n: int, h: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cpu_is_torchs_whole_product_bit_for_bit(dtype):
-    x = _gauss(3, 40, 24).to(dtype)
+    x = gauss(3, 40, 24).to(dtype)
     sym = torch.bmm(x, x.mT)
     assert torch.equal(kernels.symmetric_bmm_add(x, x.mT), torch.bmm(x, x.mT))
     assert torch.equal(kernels.symmetric_bmm_add(x, x.mT, alpha=-2.5), torch.bmm(x, x.mT) * -2.5)
@@ -70,14 +62,14 @@ def test_cuda_gram_matches_fp64_and_torch(dtype, case, tall):
     """X Xᵀ (Xᵀ X of a tall stack, as Newton-Schulz's own layout takes it) by bands: within
     torch's own error of the exact product, exactly symmetric above the diagonal blocks."""
     k, n, q, bands = case
-    x = (_gauss(k, q, n) if tall else _gauss(k, n, q)).to("cuda", dtype)
+    x = (gauss(k, q, n) if tall else gauss(k, n, q)).to("cuda", dtype)
     a, b = (x.mT, x) if tall else (x, x.mT)
     got = kernels.extension().cuda.symmetric_bmm(a, b, 1.0, bands)
     ref = (x.double().mT @ x.double()) if tall else (x.double() @ x.double().mT)
     theirs = torch.bmm(a, b)
     assert got.shape == (k, n, n) and got.dtype == dtype and got.is_contiguous()
-    assert _relative(got, ref.cpu()) <= 1.5 * _relative(theirs, ref.cpu())
-    assert _relative(got, ref.cpu()) <= UNIT[dtype]
+    assert relative(got, ref.cpu()) <= 1.5 * relative(theirs, ref.cpu())
+    assert relative(got, ref.cpu()) <= UNIT[dtype]
     above = _above_bands(n, _band_of(n, bands)).cuda()
     assert torch.equal(got.mT[:, above], got[:, above])
 
@@ -88,7 +80,7 @@ def test_cuda_gram_matches_fp64_and_torch(dtype, case, tall):
 @CUDA_SKIP
 def test_cuda_square_with_addend(dtype, bands):
     """b A + c A² (Newton-Schulz's B) by bands against fp64 and torch's baddbmm; A only read."""
-    x = _gauss(3, 160, 400).to("cuda", dtype)
+    x = gauss(3, 160, 400).to("cuda", dtype)
     sym = torch.bmm(x, x.mT) / 400
     before = sym.clone()
     got = kernels.extension().cuda.symmetric_bmm_add(sym, sym, sym, 2.0315, -4.775, bands)
@@ -96,8 +88,8 @@ def test_cuda_square_with_addend(dtype, bands):
     ref = (-4.775 * s64 + 2.0315 * s64 @ s64).cpu()
     theirs = torch.baddbmm(sym, sym, sym, beta=-4.775, alpha=2.0315)
     assert torch.equal(sym, before)
-    assert _relative(got, ref) <= 1.5 * _relative(theirs, ref)
-    assert _relative(got, ref) <= UNIT[dtype]
+    assert relative(got, ref) <= 1.5 * relative(theirs, ref)
+    assert relative(got, ref) <= UNIT[dtype]
 
 
 @CUDA_MARK
@@ -107,18 +99,18 @@ def test_cuda_computes_only_the_lower_bands():
     transposed lower ones (mirrored, never computed) and the rest is the product: the kernel
     does the promised half of the work, not the whole."""
     n, bands = 96, 3
-    a, b = (_gauss(2, n, 64, seed=s).to("cuda", torch.bfloat16) for s in (1, 2))
+    a, b = (gauss(2, n, 64, seed=s).to("cuda", torch.bfloat16) for s in (1, 2))
     got = kernels.extension().cuda.symmetric_bmm(a, b.mT, 1.0, bands)
     full = torch.bmm(a, b.mT)
     above = _above_bands(n, _band_of(n, bands)).cuda()
     assert torch.equal(got[:, above], got.mT[:, above])
     assert not torch.allclose(got[:, above], full[:, above], atol=1.0)
     kept = ~above
-    assert _relative(got[:, kept], full[:, kept].double().cpu()) <= UNIT[torch.bfloat16]
+    assert relative(got[:, kept], full[:, kept].double().cpu()) <= UNIT[torch.bfloat16]
 
 
 def test_bad_shapes_raise_on_every_device():
-    x = _gauss(2, 40, 24)
+    x = gauss(2, 40, 24)
     with pytest.raises(
         ValueError, match=r"a \(2, 40, 24\) @ b \(2, 24, 30\) is not a batch of square"
     ):
@@ -135,7 +127,7 @@ def test_bad_shapes_raise_on_every_device():
 @CUDA_MARK
 @CUDA_SKIP
 def test_cuda_fp32_is_torch():
-    x = _gauss(2, 40, 24).to("cuda", torch.float32)
+    x = gauss(2, 40, 24).to("cuda", torch.float32)
     assert torch.equal(kernels.symmetric_bmm_add(x, x.mT), torch.bmm(x, x.mT))
     sym = torch.bmm(x, x.mT)
     got = kernels.symmetric_bmm_add(sym, sym, sym, alpha=2.0, beta=-1.0)
@@ -191,13 +183,13 @@ def test_cuda_newton_schulz_with_bands(monkeypatch, fn, shape):
     exact map (fp64) as the same iteration with whole products, in bf16 (standard) and fp16
     (Gram, its precision), and within BF16_NS_TOL."""
     triples = [muon.DEFAULT_NS_COEFFICIENTS] * 5
-    x64 = _gauss(*shape)
+    x64 = gauss(*shape)
     want = muon.newton_schulz(x64.clone(), triples, 1e-7)
     dtype = torch.float16 if fn == "gram_newton_schulz" else torch.bfloat16
     run = getattr(muon, fn)
     monkeypatch.setattr(matmul, "SYMMETRIC_BAND_ROWS", 512)
-    banded = _relative(run(x64.to("cuda", dtype), triples, 1e-7), want)
+    banded = relative(run(x64.to("cuda", dtype), triples, 1e-7), want)
     monkeypatch.setattr(matmul, "SYMMETRIC_BAND_ROWS", 0)
-    whole = _relative(run(x64.to("cuda", dtype), triples, 1e-7), want)
+    whole = relative(run(x64.to("cuda", dtype), triples, 1e-7), want)
     assert banded <= 1.25 * whole + 1e-3
     assert banded < 3e-2  # test_muon.BF16_NS_TOL
