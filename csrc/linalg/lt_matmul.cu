@@ -15,7 +15,7 @@
 // (set_matmul_tuning(n), or SHARDOPT_MATMUL_TUNING=n), a new case asks for the heuristic's first
 // n and, at its first call, times each on the call's own operands: the device is synchronized
 // first (no other stream's work in the timings), each candidate runs once to warm up, then three
-// rounds of enough runs to fill about half a millisecond, into a scratch copy of D's footprint
+// rounds of enough runs to fill about half a millisecond, into a scratch tensor as large as D
 // (D and an in-place C are never written by the timing). The fastest round's best is kept, and
 // the heuristic's first stays unless another is more than 2% faster (near-ties keep the
 // heuristic's choice, so reruns of a process mostly choose alike). Every candidate computes the
