@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -172,10 +173,20 @@ int64_t clamp_candidates(int64_t n) {
 int64_t tuning_now() {
   int64_t n = g_tuning.load();
   if (n < 0) {
+    // the whole value must be an integer in range (as kernels.matmul_tuning reads it without
+    // CUDA); otherwise every product says so, rather than run with a setting nobody asked for
     const char* env = std::getenv("SHARDOPT_MATMUL_TUNING");
-    int64_t v = env != nullptr ? std::strtoll(env, nullptr, 10) : 0;
+    int64_t v = 0;
+    if (env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      errno = 0;
+      v = std::strtoll(env, &end, 10);
+      TORCH_CHECK(errno == 0 && *end == '\0' && v >= 0 && v <= kMaxTuningCandidates,
+                  "SHARDOPT_MATMUL_TUNING must be an integer in [0, ", kMaxTuningCandidates,
+                  "], got '", env, "'");
+    }
     int64_t expected = -1;
-    g_tuning.compare_exchange_strong(expected, clamp_candidates(v));
+    g_tuning.compare_exchange_strong(expected, v);
     n = g_tuning.load();
   }
   return n;

@@ -25,8 +25,9 @@ bool lt_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, at
 
 // How many of cuBLASLt's heuristic algorithms a new case times at its first call, keeping the
 // fastest (Note: tuning the matmuls in lt_matmul.cu); 0 or 1: the heuristic's first, untimed
-// (the default). The environment variable SHARDOPT_MATMUL_TUNING sets it at the first matmul.
-// Clamped to [0, kMaxTuningCandidates]; cases made before a change keep their algorithm.
+// (the default). The environment variable SHARDOPT_MATMUL_TUNING sets it at the first matmul
+// (a value that is not an integer in [0, kMaxTuningCandidates] makes every product raise, naming
+// it). set_matmul_tuning clamps to that range; cases made before a change keep their algorithm.
 constexpr int64_t kMaxTuningCandidates = 32;
 void set_matmul_tuning(int64_t candidates);
 int64_t matmul_tuning();

@@ -30,6 +30,7 @@ differ.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch import Tensor
@@ -160,16 +161,28 @@ def set_matmul_tuning(candidates: int) -> None:
 
 
 def matmul_tuning() -> int:
-    """The ``set_matmul_tuning`` setting (at first ``SHARDOPT_MATMUL_TUNING``, else 0)."""
+    """The ``set_matmul_tuning`` setting (at first ``SHARDOPT_MATMUL_TUNING``, else 0; a value
+    there that is not an integer in ``[0, MAX_TUNING_CANDIDATES]`` raises, naming it)."""
     if loader.cuda_available():
         return int(loader.extension().cuda.matmul_tuning())
     if _tuning_without_cuda is not None:
         return _tuning_without_cuda
-    try:  # as the extension reads it: an integer, clamped to the range
-        value = int(os.environ.get("SHARDOPT_MATMUL_TUNING", "0"))
-    except ValueError:
-        value = 0
-    return max(0, min(value, MAX_TUNING_CANDIDATES))
+    return _tuning_from_environment()
+
+
+def _tuning_from_environment() -> int:
+    """``SHARDOPT_MATMUL_TUNING`` read as the extension reads it (strtoll of the whole value):
+    unset or empty is 0; anything but an integer in range is an error that names it."""
+    text = os.environ.get("SHARDOPT_MATMUL_TUNING", "")
+    if not text:
+        return 0
+    match = re.fullmatch(r"\s*[+-]?[0-9]+", text)
+    if match is None or not 0 <= int(text) <= MAX_TUNING_CANDIDATES:
+        raise ValueError(
+            f"SHARDOPT_MATMUL_TUNING must be an integer in [0, {MAX_TUNING_CANDIDATES}], got "
+            f"{text!r}"
+        )
+    return int(text)
 
 
 def matmul_tuning_stats() -> tuple[int, int]:

@@ -55,6 +55,18 @@ def test_environment_sets_the_start():
     assert out.stdout.split()[-1] == "6"
 
 
+@pytest.mark.parametrize("value", ["8x", "-1", "33", "eight", "1.5"])
+def test_bad_environment_value_is_named(value):
+    # the same rule with and without CUDA kernels: the whole value an integer in range
+    code = "from shardopt import kernels; print(kernels.matmul_tuning())"
+    env = dict(os.environ, SHARDOPT_MATMUL_TUNING=value)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode != 0, out.stdout
+    assert f"SHARDOPT_MATMUL_TUNING must be an integer in [0, 32], got '{value}'" in out.stderr
+
+
 def test_cpu_products_ignore_tuning(tuning):
     tuning(8)
     x = gauss(2, 24, 40).float()
