@@ -81,6 +81,37 @@ def _gemm_chain(stacks: list[torch.Tensor]) -> Callable[[], None]:
     return run
 
 
+def _merged_orientations(
+    stacks: list[torch.Tensor], run_all: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+) -> Callable[[], list[torch.Tensor]]:
+    """A trial of one stack per wide shape: each tall stack transposed (copied) into one stack
+    with the wide stacks of its shape (124M: 3072 x 768 beside 768 x 3072, 24 matrices in one
+    chain), ``run_all`` on the merged stacks, then each tall part copied back into its layout;
+    the copies are timed with the rest."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, x in enumerate(stacks):
+        groups.setdefault((min(x.shape[-2:]), max(x.shape[-2:])), []).append(i)
+
+    def run() -> list[torch.Tensor]:
+        merged = []
+        for members in groups.values():
+            parts = [stacks[i].mT if stacks[i].size(-2) > stacks[i].size(-1) else stacks[i]
+                     for i in members]  # fmt: skip
+            merged.append(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts))
+        outs = run_all(merged)
+        results: list = [None] * len(stacks)
+        for members, out in zip(groups.values(), outs):
+            start = 0
+            for i in members:
+                part = out[start : start + stacks[i].size(0)]
+                start += stacks[i].size(0)
+                tall = stacks[i].size(-2) > stacks[i].size(-1)
+                results[i] = part.mT.contiguous() if tall else part
+        return results
+
+    return run
+
+
 def _shardopt_ns(muon_alg: Any, name: str) -> Callable | None:
     """shardopt's Newton-Schulz function ``name`` if it exists and takes (x, coefficients, eps)."""
     fn = getattr(muon_alg, name, None)
@@ -181,6 +212,20 @@ def measure_ns(
             )
         )
         variants.append(("shardopt_batched_one_stream", one_stream[1]))
+        # a trial: tall stacks merged, transposed, into the wide stacks of their shape
+        variants.append(
+            (
+                "shardopt_batched_merged",
+                lambda st: _merged_orientations(
+                    st,
+                    lambda merged: list(
+                        streams.orthogonalized(
+                            merged, lambda x: muon_alg.newton_schulz(x, coefficients, EPS)
+                        )
+                    ),
+                ),
+            )
+        )
     kernels = getattr(muon_alg, "kernels", None)
     if hasattr(kernels, "bmm_add"):
         # the same iteration with torch.baddbmm as its sum (the copy of X bmm_add skips), so

@@ -65,6 +65,33 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def test_merged_orientations_trial_is_each_stack_orthogonalized():
+    """The ``shardopt_batched_merged`` row times the same maps: each stack's result, in its own
+    layout, whether it ran merged with the transposed stacks of its shape or alone (fp64)."""
+    import bench_muon_ns
+
+    from shardopt.algorithms import muon
+
+    gen = torch.Generator().manual_seed(3)
+    stacks = [
+        torch.randn(s, generator=gen, dtype=torch.float64)
+        for s in [(3, 48, 16), (2, 16, 48), (2, 16, 16), (1, 40, 16)]
+    ]
+    triples = [bench_muon_ns.COEFFICIENTS] * 5
+    want = [muon.newton_schulz(x.clone(), triples, 1e-7) for x in stacks]
+    seen = []
+
+    def run_all(merged):
+        seen.extend(tuple(m.shape) for m in merged)
+        return [muon.newton_schulz(m, triples, 1e-7) for m in merged]
+
+    got = bench_muon_ns._merged_orientations([x.clone() for x in stacks], run_all)()
+    assert sorted(seen) == [(1, 16, 40), (2, 16, 16), (5, 16, 48)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
 def test_cpu_tiny_run(tmp_path, capsys, one_thread):
     out, jsonl, md = tmp_path / "muon.json", tmp_path / "muon.jsonl", tmp_path / "muon.md"
     bench_muon.main(["--device", "cpu", "--tiny", "--out", str(out), "--jsonl", str(jsonl)]
