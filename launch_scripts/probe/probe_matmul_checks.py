@@ -7,6 +7,7 @@ only runs a product (no bad argument) and exits tells a crash at exit from one a
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -43,12 +44,18 @@ print("case done", flush=True)
 """
 
 
+#: cases rerun with torch's C++ stack traces in the message (c10::Error's backtrace symbolized)
+TRACED = ("sym_not_square", "bmm_add_bad_c")
+
+
 def main() -> None:
-    for name, call in CASES.items():
+    runs = [(name, call, {}) for name, call in CASES.items()]
+    runs += [(f"{n}_cpp_trace", CASES[n], {"TORCH_SHOW_CPP_STACKTRACES": "1"}) for n in TRACED]
+    for name, call, extra in runs:
         code = SETUP + BODY.format(call=call)
         out = subprocess.run(
             [sys.executable, "-X", "faulthandler", "-c", code],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True, text=True, timeout=120, env={**os.environ, **extra},
         )  # fmt: skip
         print(f"== {name}: rc {out.returncode}")
         print("   stdout:", out.stdout.strip().replace("\n", " | ")[-400:])
