@@ -38,14 +38,17 @@ Run only when --modes names them:
   shardopt_adam_scaled, shardopt_adam_int8     fp32 params, compact moments (overlap on)
   shardopt_adam_bf16, shardopt_adam_bf16_remainders, shardopt_adam_bf16_remainders_int8
                          bf16 params: fp32 masters, int16 remainders, remainders + int8 moments
+  ddp_muon, shardopt_muon, deepspeed_zero2_muon   Muon on the hidden matrices, AdamW on the
+                         rest: DDP + torch.optim.Muon + fused AdamW, DistributedFusedMuon,
+                         DeepSpeed ZeRO-2's "muon" (bench_train_muon_modes.py)
 
 With overlap_param_sync the all-gathers finish in the next forward: the optimizer-step time then
 excludes them, the training-step time includes them. A mode that raises is reported and skipped.
 NCCL settings are whatever the environment holds.
 
-The parts: bench_train_model.py (the GPT), bench_train_modes.py (the modes), bench_train_run.py
-(one mode's measurement), bench_train_collectives.py, bench_train_report.py (tables); this file is
-the command line.
+The parts: bench_train_model.py (the GPT), bench_train_modes.py and bench_train_muon_modes.py
+(the modes), bench_train_run.py (one mode's measurement), bench_train_collectives.py,
+bench_train_report.py (tables); this file is the command line.
 """
 
 from __future__ import annotations
@@ -67,8 +70,11 @@ from bench_common import (
 from bench_train_collectives import bench_collective, engine_bucket_cap_mb
 from bench_train_model import ModelConfig, count_params
 from bench_train_modes import BIG_BUCKET_SCALE, DEFAULT_MODES, MODES
+from bench_train_muon_modes import MUON_MODES
 from bench_train_report import collective_table, mode_table
 from bench_train_run import run_mode_safely
+
+MODES.update(MUON_MODES)  # run when --modes names them
 
 # -- main -----------------------------------------------------------------------------------------
 

@@ -30,20 +30,20 @@ class Setup:
     step: Callable[[], None] | None = None
 
 
-def _ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
+def wrap_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
 
 
 def setup_ddp_adamw(model, device, args) -> Setup:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY, fused=True)
-    return Setup(_ddp(model, device), opt, {"ddp_bucket_cap_mb": 25, "fused": True})
+    return Setup(wrap_ddp(model, device), opt, {"ddp_bucket_cap_mb": 25, "fused": True})
 
 
 def setup_ddp_zero(model, device, args) -> Setup:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    wrapped = _ddp(model, device)
+    wrapped = wrap_ddp(model, device)
     opt = ZeroRedundancyOptimizer(
         model.parameters(),
         optimizer_class=torch.optim.AdamW,

@@ -16,6 +16,7 @@
 # wheel in $APEX_DIR, default .apex: `python launch_scripts/device/apex_suite.py extract --from APEX_GIT`
 # and `pip download expecttest --no-deps -d .apex/wheels` here, and name .apex in the carry). Logs land in $OUT/logs/ and are packed into $OUT/logs.tgz at
 # the end (the device tool returns at most 8 files).
+# muon_train: bench_train.py's Muon modes on every GPU (2+ GPUs; MUON_MODES; .dswheels in the carry for DeepSpeed's).
 # muon: bench_muon.py (MUON_ARGS, MUON_BUDGET, MUON_TAG) (FusedMuon against torch.optim.Muon and the peers, Newton-Schulz against the bf16
 # GEMM rate) after installing the wheels carried in .muonwheels/ (name .muonwheels in the carry).
 # launch_scripts/device/carry_wheels.sh makes .muonwheels/, .dswheels/ and .apex/ here in one command.
@@ -82,6 +83,12 @@ for s in "$@"; do
              TORCH_CUDA_ARCH_LIST=9.0 timeout 500 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench/bench_train.py \
              --modes "${PEER_MODES:-compute_floor,ddp_adamw,shardopt_adam_overlap,deepspeed_zero2,ddp_adamw_compiled,shardopt_adam_compiled}" \
              --out "$OUT/bench_train_peers.json" > "$OUT/bench_train_peers.log" 2>&1; tail -14 "$OUT/bench_train_peers.log" ;;
+    muon_train) [ -d .dswheels ] && python3 -m pip install -q --no-index --no-deps .dswheels/*.whl > "$OUT/deepspeed_install.log" 2>&1
+             # Muon across GPUs (bench_train_muon_modes.py): DDP + torch.optim.Muon, DistributedFusedMuon,
+             # DeepSpeed ZeRO-2's muon (where .dswheels is carried); MUON_MODES replaces the list
+             TORCH_CUDA_ARCH_LIST=9.0 timeout 500 torchrun --standalone --nproc-per-node "$NGPU" launch_scripts/bench/bench_train.py \
+             --modes "${MUON_MODES:-compute_floor,ddp_adamw,ddp_muon,shardopt_muon,deepspeed_zero2_muon}" \
+             --out "$OUT/bench_train_muon.json" > "$OUT/bench_train_muon.log" 2>&1; tail -14 "$OUT/bench_train_muon.log" ;;
     contract) timeout 120 torchrun --standalone --nproc-per-node "$NGPU" tests/zero/nccl_contract.py \
              > "$OUT/nccl_contract.log" 2>&1; grep -E "PASS|FAIL|refused" "$OUT/nccl_contract.log" | tail -8 ;;
     apex) timeout 200 torchrun --standalone --nproc-per-node "$NGPU" tests/zero/apex_script.py \
