@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <mutex>
+#include <string>
 
 #include <c10/util/Exception.h>
 
@@ -96,7 +97,7 @@ __attribute__((visibility("default"))) void* shardopt_nccl_mem_alloc(
   TORCH_CHECK(
       result == ncclSuccess,
       "shardopt: ncclMemAlloc of ",
-      size,
+      std::to_string(size),
       " bytes failed: ",
       describe(nccl, result));
   return ptr;

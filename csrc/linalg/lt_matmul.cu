@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 namespace shardopt {
@@ -106,7 +107,8 @@ const LtApi& lt_api() {
   do {                                                                            \
     cublasStatus_t status_ = (expr);                                              \
     TORCH_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "cuBLASLt matmul: ", #expr,     \
-                " failed with cuBLAS status ", static_cast<int>(status_));        \
+                " failed with cuBLAS status ",                                    \
+                std::to_string(static_cast<int>(status_)));                       \
   } while (0)
 
 // One operand of the column-major product: torch's row-major X (R x C) is, as cuBLAS sees it,
@@ -182,7 +184,7 @@ int64_t tuning_now() {
       errno = 0;
       v = std::strtoll(env, &end, 10);
       TORCH_CHECK(errno == 0 && *end == '\0' && v >= 0 && v <= kMaxTuningCandidates,
-                  "SHARDOPT_MATMUL_TUNING must be an integer in [0, ", kMaxTuningCandidates,
+                  "SHARDOPT_MATMUL_TUNING must be an integer in [0, ", std::to_string(kMaxTuningCandidates),
                   "], got '", env, "'");
     }
     int64_t expected = -1;

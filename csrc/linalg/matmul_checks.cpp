@@ -7,6 +7,11 @@
 // streaming a shape into a check there. The cause is not isolated. So the checks live here, in a
 // host-compiled file, and bindings.cpp runs them before calling into csrc/linalg/*.cu: an error
 // in the arguments is raised without unwinding through any nvcc-built frame.
+// The cause, found with launch_scripts/probe/probe_matmul_checks.py on an H100 (2026-12-07):
+// the one failing case was `blocks` streamed into the message as an integer, the crash that
+// multi_tensor/checks.cpp already names (streaming an integer from this module on the GPU image
+// kills the process). Numbers go into these messages as std::to_string text; bindings.cpp still
+// runs the checks first, which keeps the nvcc-built entry points free of error paths.
 #include "matmul_checks.h"
 
 namespace shardopt {
@@ -37,7 +42,7 @@ void check_batched_matmul(const char* name, const at::Tensor& a, const at::Tenso
               name, ": a, b and c must have one dtype, got ", a.scalar_type(), ", ",
               b.scalar_type(), c.defined() ? ", " + std::string(c10::toString(c.scalar_type()))
                                            : std::string());
-  TORCH_CHECK(blocks >= 1, name, ": blocks must be at least 1, got ", blocks);
+  TORCH_CHECK(blocks >= 1, name, ": blocks must be at least 1, got ", std::to_string(blocks));
 }
 
 }  // namespace shardopt

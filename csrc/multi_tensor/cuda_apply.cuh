@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "cuda_chunk.h"
@@ -134,8 +135,8 @@ template <int Depth, typename Launch>
 int64_t for_each_launch(const std::vector<std::vector<at::Tensor>>& lists,
                         const std::vector<int64_t>& order, int64_t first_unit, Launch&& launch_fn) {
   using Meta = ChunkMeta<Depth>;
-  TORCH_CHECK(lists.size() == static_cast<size_t>(Depth), "apply_chunks: expected ", Depth,
-              " lists, got ", lists.size());
+  TORCH_CHECK(lists.size() == static_cast<size_t>(Depth), "apply_chunks: expected ",
+              std::to_string(Depth), " lists, got ", std::to_string(lists.size()));
   if (order.empty()) return first_unit;
   const c10::cuda::OptionalCUDAGuard guard(lists[0][order[0]].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -36,7 +36,7 @@ SHARDOPT_HD void set_step(Hyper<T>& h, const BiasCorrection& bias, double t) {
 // Host: moment_mode is 0 or 1.
 inline void check_moment_mode(int64_t moment_mode) {
   TORCH_CHECK(moment_mode == 0 || moment_mode == 1, "novograd: moment_mode must be 0 or 1, got ",
-              moment_mode);
+              std::to_string(moment_mode));
 }
 
 // The hyperparameters of one call from the host arguments (in the kernel's order), with the bias
