@@ -21,8 +21,10 @@
 // heuristic's choice, so reruns of a process mostly choose alike). Every candidate computes the
 // same sum in fp32 with one rounding, but in its own order: the bits of a tuned product are
 // those of the algorithm chosen, which timing picks, so two processes may differ in the last
-// bits. Hence off by default. A case first met while its stream is being captured into a CUDA
-// graph is not timed (synchronizing would break the capture): it keeps the heuristic's first.
+// bits. Hence off by default; and measured on an H100 it did not pay (docs/benchmarks.md,
+// 2026-12-07 23:48 UTC: the Newton-Schulz chains 4% faster to 5% slower, the step unchanged).
+// A case first met while its stream is being captured into a CUDA graph is not timed
+// (synchronizing would break the capture): it keeps the heuristic's first.
 #include "lt_matmul.h"
 
 #include <ATen/cuda/CUDAContext.h>

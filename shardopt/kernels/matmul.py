@@ -24,7 +24,7 @@ at least ``SYMMETRIC_BAND_ROWS`` rows, so small matrices run the full product.
 cuBLASLt case of these products time cuBLASLt's first ``n`` heuristic algorithms at its first call
 and keep the fastest (Note: tuning the matmuls in csrc/linalg/lt_matmul.cu). Off by default: the
 algorithm, and with it the last bits of a product, then depends on timings, so two processes may
-differ.
+differ; and on an H100 it did not speed up Newton-Schulz (docs/benchmarks.md, 2026-12-07 23:48).
 """
 
 from __future__ import annotations
