@@ -186,8 +186,8 @@ int64_t tuning_now() {
       errno = 0;
       v = std::strtoll(env, &end, 10);
       TORCH_CHECK(errno == 0 && *end == '\0' && v >= 0 && v <= kMaxTuningCandidates,
-                  "SHARDOPT_MATMUL_TUNING must be an integer in [0, ", std::to_string(kMaxTuningCandidates),
-                  "], got '", env, "'");
+                  "SHARDOPT_MATMUL_TUNING must be an integer in [0, ",
+                  std::to_string(kMaxTuningCandidates), "], got '", env, "'");
     }
     int64_t expected = -1;
     g_tuning.compare_exchange_strong(expected, v);

@@ -1,17 +1,15 @@
 // The argument checks of the batched matmuls (matmul_checks.h).
 //
 // Note: checks before nvcc-built code
-// On an H100 with torch 2.11, a failed TORCH_CHECK in symmetric_bmm_add's nvcc-built entry
-// point killed the process (a segfault, in the test suite and in a child process alike), while
-// the same checks in bmm_add's entry point raised as they should; an earlier crash came from
-// streaming a shape into a check there. The cause is not isolated. So the checks live here, in a
-// host-compiled file, and bindings.cpp runs them before calling into csrc/linalg/*.cu: an error
-// in the arguments is raised without unwinding through any nvcc-built frame.
-// The cause, found with launch_scripts/probe/probe_matmul_checks.py on an H100 (2026-12-07):
-// the one failing case was `blocks` streamed into the message as an integer, the crash that
-// multi_tensor/checks.cpp already names (streaming an integer from this module on the GPU image
-// kills the process). Numbers go into these messages as std::to_string text; bindings.cpp still
-// runs the checks first, which keeps the nvcc-built entry points free of error paths.
+// On an H100 with torch 2.11, a failed check of symmetric_bmm_add / symmetric_bmm killed the
+// process (a segfault, in the test suite and in a child process alike) while bmm_add's raised.
+// Moving the checks here, host-compiled, did not help; launch_scripts/probe/probe_matmul_checks.py
+// (each case in its own child, 2026-12-07 23:48 UTC) then showed that only `blocks=0` crashed:
+// its message streamed an integer, the crash multi_tensor/checks.cpp already names (streaming an
+// integer from this module on the GPU image kills the process instead of raising). So numbers
+// go into these messages as std::to_string text, as elsewhere in csrc/. The checks stay here,
+// run by bindings.cpp before csrc/linalg/*.cu is entered, so the nvcc-built entry points hold
+// no error paths of their own. (The fix has not yet run on a GPU.)
 #include "matmul_checks.h"
 
 namespace shardopt {
