@@ -74,12 +74,16 @@ def _shardopt(cls_name: str, model, args, bucket_scale: float = 1.0, **flags) ->
     zero_args["bucket_cap_mb"] = bucket_scale * (args.bucket_cap_mb or engine_bucket_cap_mb())
     cls = getattr(shardopt, cls_name)
     opt = cls(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY, **zero_args)
-    settings = {
+    return Setup(model, opt, shardopt_settings(opt))
+
+
+def shardopt_settings(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """A shardopt mode's engine settings, for the record."""
+    return {
         "bucket_cap_mb": opt.bucket_cap_mb,
         "overlap_grad_sync": opt.overlap_grad_sync,
         "overlap_param_sync": opt.overlap_param_sync,
     }
-    return Setup(model, opt, settings)
 
 
 def setup_shardopt_adam(model, device, args) -> Setup:
@@ -158,10 +162,26 @@ def setup_deepspeed_zero2(model, device, args) -> Setup:
     other modes, fp32 params."""
     import deepspeed
 
-    config = {
+    config = deepspeed_zero2_config(args, "AdamW")
+    engine, opt, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
+    )
+    return Setup(
+        engine,
+        opt,
+        {"deepspeed": deepspeed.__version__, "zero_stage": 2, "bucket_bytes": 5e8},
+        backward=engine.backward,
+        step=engine.step,
+    )
+
+
+def deepspeed_zero2_config(args, optimizer: str) -> dict[str, Any]:
+    """The DeepSpeed config of the ZeRO-2 modes: ``optimizer`` ("AdamW", "muon") with the bench's
+    lr and weight decay, overlapped reduce-scatter, 500 MB buckets, bf16 autocast."""
+    return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": WEIGHT_DECAY}},
+        "optimizer": {"type": optimizer, "params": {"lr": args.lr, "weight_decay": WEIGHT_DECAY}},
         "zero_optimization": {
             "stage": 2,
             "overlap_comm": True,
@@ -176,16 +196,6 @@ def setup_deepspeed_zero2(model, device, args) -> Setup:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    engine, opt, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
-    )
-    return Setup(
-        engine,
-        opt,
-        {"deepspeed": deepspeed.__version__, "zero_stage": 2, "bucket_bytes": 5e8},
-        backward=engine.backward,
-        step=engine.step,
-    )
 
 
 def setup_ddp_adamw_compiled(model, device, args) -> Setup:

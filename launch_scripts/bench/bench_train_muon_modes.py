@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from bench_train_collectives import engine_bucket_cap_mb
 from bench_train_env import WEIGHT_DECAY, shardopt
-from bench_train_modes import Setup, wrap_ddp
+from bench_train_modes import Setup, deepspeed_zero2_config, shardopt_settings, wrap_ddp
 from torch import nn
 
 #: Muon's shape scale in every mode that has one: the update's RMS matched to AdamW's
@@ -76,13 +76,7 @@ def setup_shardopt_muon(model, device, args) -> Setup:
         overlap_grad_sync=True,
         overlap_param_sync=True,
     )
-    settings = {
-        "bucket_cap_mb": opt.bucket_cap_mb,
-        "overlap_grad_sync": opt.overlap_grad_sync,
-        "overlap_param_sync": opt.overlap_param_sync,
-        "adjust_lr_fn": ADJUST_LR_FN,
-    }
-    return Setup(model, opt, settings)
+    return Setup(model, opt, {**shardopt_settings(opt), "adjust_lr_fn": ADJUST_LR_FN})
 
 
 def setup_deepspeed_zero2_muon(model, device, args) -> Setup:
@@ -96,23 +90,7 @@ def setup_deepspeed_zero2_muon(model, device, args) -> Setup:
         for p in module.parameters():
             p.use_muon = id(p) in chosen
 
-    config = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "muon", "params": {"lr": args.lr, "weight_decay": WEIGHT_DECAY}},
-        "zero_optimization": {
-            "stage": 2,
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "reduce_bucket_size": 5e8,
-            "allgather_bucket_size": 5e8,
-        },
-        "gradient_clipping": 0.0,
-        "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+    config = deepspeed_zero2_config(args, "muon")
     own_rule = getattr(deepspeed, "set_optimizer_flags", None)
     if own_rule is None:
         raise RuntimeError(
